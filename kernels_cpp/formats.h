@@ -1,0 +1,80 @@
+// formats.h — the lab's block formats and fp16 conversion.
+//
+// The shapes follow ggml's Q8_0 and Q4_0 so a GGUF path stays open, but tensors are
+// stored split: all of a tensor's fp16 scales first, then all of its quantized bytes.
+// The rounding rules are those of SCIENCE.md §3 and are mirrored byte for byte by
+// lab/formats.py.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+namespace lab {
+
+constexpr int QK = 32;  // weights per block, for every format
+
+// ----------------------------------------------------------------------------
+// Block structs (the interleaved ggml view; the split layout stores the same fields apart)
+// ----------------------------------------------------------------------------
+
+struct BlockQ8 {            // 8-bit weights: value = q * d
+    uint16_t d;             // fp16 scale
+    int8_t q[QK];
+};
+static_assert(sizeof(BlockQ8) == 34, "BlockQ8 must match ggml's Q8_0");
+
+struct BlockQ4 {            // 4-bit weights: value = (q - 8) * d
+    uint16_t d;             // fp16 scale
+    uint8_t q[QK / 2];      // low nibbles: weights 0-15, high nibbles: weights 16-31
+};
+static_assert(sizeof(BlockQ4) == 18, "BlockQ4 must match ggml's Q4_0");
+
+struct BlockA8 {            // 8-bit activations: value = q * d
+    float d;                // fp32 scale
+    int32_t s;              // sum of q, for the offset identity sum((q-8)x) = sum(qx) - 8 sum(x)
+    int8_t q[QK];
+};
+static_assert(sizeof(BlockA8) == 40, "BlockA8 is scale + sum + 32 bytes");
+
+constexpr int Q4_BYTES = QK / 2;  // quantized bytes per block
+constexpr int Q8_BYTES = QK;
+
+// ----------------------------------------------------------------------------
+// fp16 <-> fp32, round to nearest even (what numpy's astype(float16) does)
+// ----------------------------------------------------------------------------
+
+inline uint32_t f32_bits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float f32_from(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+
+inline uint16_t fp32_to_fp16(float f) {
+    const uint32_t x = f32_bits(f);
+    const uint16_t sign = (x >> 16) & 0x8000;
+    const uint32_t ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return sign | 0x7e00;         // NaN stays NaN
+    if (ax >= 0x47800000u) return sign | 0x7c00;        // >= 65536 (or inf) -> inf
+    uint32_t h, rem, half;
+    if (ax >= 0x38800000u) {                            // normal half: rebias exponent 127 -> 15
+        const uint32_t r = ax - 0x38000000u;
+        h = r >> 13; rem = r & 0x1fffu; half = 0x1000u;
+    } else {                                            // subnormal half: units of 2^-24
+        const uint32_t e = ax >> 23;
+        if (e < 102) return sign;                       // below 2^-25: rounds to zero
+        const uint32_t m = (ax & 0x7fffffu) | 0x800000u;
+        const uint32_t s = 126 - e;                     // 14..24
+        h = m >> s; rem = m & ((1u << s) - 1); half = 1u << (s - 1);
+    }
+    if (rem > half || (rem == half && (h & 1))) h++;    // a carry into the exponent is correct
+    return sign | (uint16_t)h;
+}
+
+inline float fp16_to_fp32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
+    const uint32_t e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 0x1f) return f32_from(sign | 0x7f800000u | (m << 13));
+    if (e == 0) {
+        const float v = (float)m * 0x1p-24f;            // exact
+        return sign ? -v : v;
+    }
+    return f32_from(sign | ((e + 112) << 23) | (m << 13));
+}
+
+}  // namespace lab

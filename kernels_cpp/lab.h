@@ -1,0 +1,150 @@
+// lab.h — what Python sees of the C++ (loaded by cppyy beside the compiled library).
+//
+// Plain types and pointers only: numpy arrays pass zero-copy as pointers, and nothing
+// here needs the SIMD headers, so cling parses it in a blink.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+namespace lab {
+
+// ----------------------------------------------------------------------------
+// CPU and kernel paths
+// ----------------------------------------------------------------------------
+
+enum Path : int {
+    PATH_SCALAR = 0,       // the reference every SIMD kernel is checked against
+    PATH_AVX2 = 1,         // AVX2 + FMA + F16C, dot products through maddubs/madd
+    PATH_AVXVNNI = 2,      // Intel hybrids: the VEX vpdpbusd on 256-bit registers
+    PATH_AVX512VNNI = 3,   // AVX-512 F/BW/VL + VNNI on 512-bit registers
+    PATH_VNNI256_EVEX = 4, // the AVX-VNNI kernel with the EVEX vpdpbusd: tests it on AVX-512 CPUs
+    PATH_COUNT = 5
+};
+
+struct CpuInfo {
+    char vendor[16];
+    char brand[64];
+    int logical_cpus;
+    bool sse42, avx, avx2, fma, f16c, avxvnni;
+    bool avx512f, avx512bw, avx512vl, avx512vnni, avx512bf16;
+    bool os_avx, os_avx512;     // the OS saves the wide registers (XCR0)
+    bool hybrid;                // performance + efficiency cores
+};
+
+CpuInfo cpu_info();
+bool path_supported(int path);
+int best_path();                // the fastest path this CPU runs
+int active_path();              // best_path(), lowered by LAB_KERNEL_PATH when set
+const char* path_name(int path);
+int path_from_name(const char* name);  // -1 when unknown
+int core_type(int cpu);         // hybrid CPUs: 0x40 performance, 0x20 efficiency; 0 otherwise/unknown
+
+// ----------------------------------------------------------------------------
+// Thread pool: persistent workers pinned to their CPUs, spin barrier, caller is thread 0
+// ----------------------------------------------------------------------------
+
+using RowFn = void (*)(void* ctx, int begin, int end, int tid);
+
+class ThreadPool {
+public:
+    ThreadPool(int nthreads, const std::vector<int>& cpus, bool pin);
+    ~ThreadPool();
+    ThreadPool(const ThreadPool&) = delete;
+    ThreadPool& operator=(const ThreadPool&) = delete;
+    int size() const;
+    int cpu(int tid) const;     // the CPU a thread is pinned to, -1 when unpinned
+    bool pinned() const;
+    // Calls fn over [0, n) in pieces: static contiguous ranges when chunk <= 0,
+    // otherwise chunks of `chunk` items handed out from an atomic counter.
+    void parallel_for(int n, int chunk, RowFn fn, void* ctx);
+    struct Impl;
+private:
+    Impl* impl_;
+};
+
+int online_cpus();
+
+// ----------------------------------------------------------------------------
+// Block formats (split layout: scales region, then bytes region)
+// ----------------------------------------------------------------------------
+
+enum Format : int { FMT_F32 = 0, FMT_Q8 = 1, FMT_Q4 = 2 };
+
+enum QuantStatus : int { Q_OK = 0, Q_NONFINITE = 1, Q_SCALE_OVERFLOW = 2, Q_BAD_SHAPE = 3 };
+
+// n is a multiple of 32; returns a QuantStatus and the index of the offending value.
+int quantize_q8(const float* x, int64_t n, uint16_t* d, int8_t* q, int64_t* bad);
+int quantize_q4(const float* x, int64_t n, uint16_t* d, uint8_t* q, int64_t* bad);
+void dequantize_q8(const uint16_t* d, const int8_t* q, int64_t n, float* out);
+void dequantize_q4(const uint16_t* d, const uint8_t* q, int64_t n, float* out);
+uint16_t f32_to_f16(float f);
+float f16_to_f32(uint16_t h);
+
+// A quantized weight matrix [rows, cols] in the split layout; the memory belongs to the caller.
+struct QMat {
+    int fmt;                 // FMT_Q8 or FMT_Q4
+    int rows, cols;          // cols is a multiple of 32
+    const uint16_t* d;       // [rows * cols/32] fp16 scales
+    const uint8_t* q;        // [rows * cols/32 * (16 or 32)] quantized bytes
+};
+QMat make_qmat(int fmt, int rows, int cols, const uint16_t* d, const uint8_t* q);
+
+// k tokens of one matmul input, quantized once to 8-bit blocks. Besides the canonical
+// blocks it keeps the copies the SIMD kernels read (bytes regrouped into low and high
+// halves per four blocks; scales and offset corrections in register-lane order).
+class QActs {
+public:
+    QActs();
+    ~QActs();
+    QActs(const QActs&) = delete;
+    QActs& operator=(const QActs&) = delete;
+    // Returns Q_OK, or Q_NONFINITE with *bad the flat index of the first NaN/inf.
+    int quantize(const float* x, int k, int cols, int path, int64_t* bad);
+    void export_blocks(int8_t* q, float* d, int32_t* s) const;  // canonical [k][nb]
+    int k() const { return k_; }
+    int cols() const { return cols_; }
+    int nb() const { return nb_; }
+    int nbp() const { return nbp_; }   // nb rounded up to 16 blocks, zero padded
+    // for the kernels
+    const int8_t* q(int t) const;
+    const float* d(int t) const;
+    const int32_t* s(int t) const;
+    const int8_t* lanes(int t) const;
+    const float* lane_d(int t, int wide) const;
+    const int32_t* lane_corr(int t, int wide, int fmt) const;
+private:
+    void reserve(int k, int nbp);
+    void build_lanes(int t);
+    int k_ = 0, cols_ = 0, nb_ = 0, nbp_ = 0, cap_ = 0;
+    void* mem_ = nullptr;
+    int8_t* q_ = nullptr; float* d_ = nullptr; int32_t* s_ = nullptr; int8_t* ql_ = nullptr;
+    float* dl_[2] = {nullptr, nullptr};
+    int32_t* c4_[2] = {nullptr, nullptr};
+    int32_t* c8_[2] = {nullptr, nullptr};
+};
+
+constexpr int MAX_K = 16;
+
+enum MatmulStatus : int {
+    MM_OK = 0, MM_BAD_FORMAT = 1, MM_SHAPE = 2, MM_BAD_K = 3, MM_PATH_UNSUPPORTED = 4
+};
+
+// y[t * ldy + r] = sum_c W[r, c] * A[t, c] for t < A.k(), r < W.rows.
+int matmul(const QMat& W, const QActs& A, float* y, int64_t ldy, int path,
+           ThreadPool* pool, int chunk);
+
+// ----------------------------------------------------------------------------
+// Benchmarks (timings in seconds, one per repeat)
+// ----------------------------------------------------------------------------
+
+void bench_read(const uint8_t* buf, int64_t bytes, ThreadPool* pool, int reps, double* secs);
+void bench_copy(float* dst, const float* src, int64_t n, ThreadPool* pool, int reps, double* secs);
+void bench_triad(float* a, const float* b, const float* c, int64_t n, ThreadPool* pool,
+                 int reps, double* secs);
+// Independent dot-product chains on one thread: returns int8 multiply-accumulates per second.
+double bench_dot_peak(int path, int64_t iters);
+int bench_matmul(const QMat& W, const QActs& A, float* y, int path, ThreadPool* pool,
+                 int chunk, int reps, double* secs);
+void fill_random(uint8_t* buf, int64_t n, uint64_t seed);
+
+}  // namespace lab

@@ -1,0 +1,292 @@
+// quant.cpp — quantizers for weights (8- and 4-bit) and activations (8-bit), and the
+// activation buffer the kernels read. lab/formats.py mirrors every rule byte for byte.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <cstdlib>
+
+#include "formats.h"
+#include "lab.h"
+#include "lanes.h"
+
+namespace lab {
+
+uint16_t f32_to_f16(float f) { return fp32_to_fp16(f); }
+float f16_to_f32(uint16_t h) { return fp16_to_fp32(h); }
+
+// ============================================================================
+// Weights (scalar: quantized once, at export)
+// ============================================================================
+
+// First non-finite index in a block, or -1.
+static int find_nonfinite(const float* x) {
+    for (int i = 0; i < QK; i++)
+        if (!std::isfinite(x[i])) return i;
+    return -1;
+}
+
+// Rounds half away from zero (roundf), clamped to the int8 range the kernels expect.
+static int8_t round_q8(float v) {
+    float r = std::roundf(v);
+    r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+    return (int8_t)r;
+}
+
+int quantize_q8(const float* x, int64_t n, uint16_t* d, int8_t* q, int64_t* bad) {
+    for (int64_t b = 0; b < n / QK; b++) {
+        const float* xb = x + b * QK;
+        const int nf = find_nonfinite(xb);
+        if (nf >= 0) { *bad = b * QK + nf; return Q_NONFINITE; }
+        float amax = 0.f;
+        for (int i = 0; i < QK; i++) amax = std::fmax(amax, std::fabs(xb[i]));
+        const float s = amax / 127.f;
+        const uint16_t h = fp32_to_fp16(s);
+        if ((h & 0x7fff) >= 0x7c00) { *bad = b * QK; return Q_SCALE_OVERFLOW; }
+        d[b] = h;
+        for (int i = 0; i < QK; i++) q[b * QK + i] = s == 0.f ? 0 : round_q8(xb[i] / s);
+    }
+    return Q_OK;
+}
+
+int quantize_q4(const float* x, int64_t n, uint16_t* d, uint8_t* q, int64_t* bad) {
+    for (int64_t b = 0; b < n / QK; b++) {
+        const float* xb = x + b * QK;
+        const int nf = find_nonfinite(xb);
+        if (nf >= 0) { *bad = b * QK + nf; return Q_NONFINITE; }
+        float amax = 0.f, m = 0.f;                     // the first value of largest magnitude
+        for (int i = 0; i < QK; i++)
+            if (std::fabs(xb[i]) > amax) { amax = std::fabs(xb[i]); m = xb[i]; }
+        const float s = m / -8.f;
+        const uint16_t h = fp32_to_fp16(s);
+        if ((h & 0x7fff) >= 0x7c00) { *bad = b * QK; return Q_SCALE_OVERFLOW; }
+        d[b] = h;
+        uint8_t qs[QK];
+        for (int i = 0; i < QK; i++) {
+            if (s == 0.f) { qs[i] = 8; continue; }
+            const float v = std::floor(xb[i] / s + 8.5f);
+            qs[i] = (uint8_t)(v < 0.f ? 0.f : (v > 15.f ? 15.f : v));
+        }
+        for (int i = 0; i < QK / 2; i++) q[b * Q4_BYTES + i] = qs[i] | (qs[i + QK / 2] << 4);
+    }
+    return Q_OK;
+}
+
+void dequantize_q8(const uint16_t* d, const int8_t* q, int64_t n, float* out) {
+    for (int64_t b = 0; b < n / QK; b++) {
+        const float s = fp16_to_fp32(d[b]);
+        for (int i = 0; i < QK; i++) out[b * QK + i] = q[b * QK + i] * s;
+    }
+}
+
+void dequantize_q4(const uint16_t* d, const uint8_t* q, int64_t n, float* out) {
+    for (int64_t b = 0; b < n / QK; b++) {
+        const float s = fp16_to_fp32(d[b]);
+        for (int i = 0; i < QK / 2; i++) {
+            const uint8_t v = q[b * Q4_BYTES + i];
+            out[b * QK + i] = ((int)(v & 15) - 8) * s;
+            out[b * QK + i + QK / 2] = ((int)(v >> 4) - 8) * s;
+        }
+    }
+}
+
+// ============================================================================
+// Activations: one block at a time, three paths with identical results
+// ============================================================================
+
+// Each returns the index of the first non-finite value in the block, or -1.
+static int quantize_act_scalar(const float* x, int8_t* q, float* d, int32_t* s) {
+    const int nf = find_nonfinite(x);
+    if (nf >= 0) return nf;
+    float amax = 0.f;
+    for (int i = 0; i < QK; i++) amax = std::fmax(amax, std::fabs(x[i]));
+    const float sc = amax / 127.f;
+    int32_t sum = 0;
+    for (int i = 0; i < QK; i++) {
+        q[i] = sc == 0.f ? 0 : round_q8(x[i] / sc);
+        sum += q[i];
+    }
+    *d = sc;
+    *s = sum;
+    return -1;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+
+// Half away from zero: trunc, then step one away when the dropped fraction is >= 0.5.
+static inline __m256 round_away256(__m256 v) {
+    const __m256 t = _mm256_round_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 frac = _mm256_and_ps(_mm256_sub_ps(v, t), absmask);
+    const __m256 step = _mm256_or_ps(_mm256_set1_ps(1.f), _mm256_andnot_ps(absmask, v));
+    const __m256 big = _mm256_cmp_ps(frac, _mm256_set1_ps(0.5f), _CMP_GE_OQ);
+    return _mm256_add_ps(t, _mm256_and_ps(big, step));
+}
+
+static int quantize_act_avx2(const float* x, int8_t* q, float* d, int32_t* s) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256 inf = _mm256_set1_ps(INFINITY);
+    __m256 v[4], mx = _mm256_setzero_ps();
+    int finite = 0xff;
+    for (int j = 0; j < 4; j++) {
+        v[j] = _mm256_loadu_ps(x + 8 * j);
+        const __m256 a = _mm256_and_ps(v[j], absmask);
+        finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ));
+        mx = _mm256_max_ps(mx, a);
+    }
+    if (finite != 0xff) return find_nonfinite(x);
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float sc = _mm_cvtss_f32(m4) / 127.f;
+    *d = sc;
+    if (sc == 0.f) {
+        std::memset(q, 0, QK);
+        *s = 0;
+        return -1;
+    }
+    const __m256 vs = _mm256_set1_ps(sc), lim = _mm256_set1_ps(127.f);
+    __m256i qi[4];
+    for (int j = 0; j < 4; j++) {
+        __m256 r = round_away256(_mm256_div_ps(v[j], vs));
+        r = _mm256_max_ps(_mm256_min_ps(r, lim), _mm256_sub_ps(_mm256_setzero_ps(), lim));
+        qi[j] = _mm256_cvtps_epi32(r);
+    }
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    *s = _mm_cvtsi128_si32(s4);
+    // pack 32 int32 -> 32 int8, restoring order after the in-lane packs
+    const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+    const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    _mm256_storeu_si256((__m256i*)q, _mm256_permutevar8x32_epi32(p8, order));
+    return -1;
+}
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
+static int quantize_act_avx512(const float* x, int8_t* q, float* d, int32_t* s) {
+    const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
+    const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
+    const __m512 inf = _mm512_set1_ps(INFINITY);
+    const __mmask16 ok = _mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ);
+    if (ok != 0xffff) return find_nonfinite(x);
+    const float sc = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1)) / 127.f;
+    *d = sc;
+    if (sc == 0.f) {
+        std::memset(q, 0, QK);
+        *s = 0;
+        return -1;
+    }
+    const __m512 vs = _mm512_set1_ps(sc), half = _mm512_set1_ps(0.5f), lim = _mm512_set1_ps(127.f);
+    __m512i qi[2];
+    const __m512 vv[2] = {v0, v1};
+    for (int j = 0; j < 2; j++) {
+        const __m512 v = _mm512_div_ps(vv[j], vs);
+        const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+        const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), half, _CMP_GE_OQ);
+        const __m512 step = _mm512_or_ps(_mm512_set1_ps(1.f), _mm512_and_ps(v, _mm512_set1_ps(-0.f)));
+        __m512 r = _mm512_mask_add_ps(t, big, t, step);
+        r = _mm512_max_ps(_mm512_min_ps(r, lim), _mm512_sub_ps(_mm512_setzero_ps(), lim));
+        qi[j] = _mm512_cvtps_epi32(r);
+    }
+    *s = _mm512_reduce_add_epi32(_mm512_add_epi32(qi[0], qi[1]));
+    _mm_storeu_si128((__m128i*)q, _mm512_cvtsepi32_epi8(qi[0]));
+    _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(qi[1]));
+    return -1;
+}
+#pragma GCC pop_options
+
+// ============================================================================
+// QActs: the activation buffer
+// ============================================================================
+
+QActs::QActs() = default;
+QActs::~QActs() { std::free(mem_); }
+
+// One allocation, regions 64-byte aligned: q, ql (32 bytes a block), then d, s and the
+// lane-ordered scale and corrections (4 bytes a block each).
+void QActs::reserve(int k, int nbp) {
+    const int need = k * nbp;
+    if (need <= cap_) return;
+    std::free(mem_);
+    const size_t bytes = (size_t)need * (2 * QK + 8 * 4);
+    mem_ = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    cap_ = need;
+}
+
+int QActs::quantize(const float* x, int k, int cols, int path, int64_t* bad) {
+    if (k < 1 || cols < QK || cols % QK != 0) return Q_BAD_SHAPE;
+    k_ = k; cols_ = cols; nb_ = cols / QK; nbp_ = (nb_ + 15) / 16 * 16;
+    reserve(k, nbp_);
+    const int64_t n = (int64_t)k * nbp_;
+    char* p = (char*)mem_;
+    q_ = (int8_t*)p;        p += n * QK;
+    ql_ = (int8_t*)p;       p += n * QK;
+    d_ = (float*)p;         p += n * 4;
+    s_ = (int32_t*)p;       p += n * 4;
+    for (int w = 0; w < 2; w++) {
+        dl_[w] = (float*)p;   p += n * 4;
+        c4_[w] = (int32_t*)p; p += n * 4;
+        c8_[w] = (int32_t*)p; p += n * 4;
+    }
+    auto block = path == PATH_AVX512VNNI || path == PATH_VNNI256_EVEX ? quantize_act_avx512
+               : path == PATH_SCALAR                                 ? quantize_act_scalar
+                                                                     : quantize_act_avx2;
+    if (!path_supported(path)) block = quantize_act_scalar;
+    for (int t = 0; t < k; t++) {
+        for (int b = 0; b < nbp_; b++) {
+            int8_t* qb = q_ + ((int64_t)t * nbp_ + b) * QK;
+            float* db = d_ + (int64_t)t * nbp_ + b;
+            int32_t* sb = s_ + (int64_t)t * nbp_ + b;
+            if (b >= nb_) { std::memset(qb, 0, QK); *db = 0.f; *sb = 0; continue; }
+            const int nf = block(x + (int64_t)t * cols + (int64_t)b * QK, qb, db, sb);
+            if (nf >= 0) { *bad = (int64_t)t * cols + (int64_t)b * QK + nf; return Q_NONFINITE; }
+        }
+        build_lanes(t);
+    }
+    return Q_OK;
+}
+
+void QActs::build_lanes(int t) {
+    const int64_t o = (int64_t)t * nbp_;
+    const int8_t* q = q_ + o * QK;
+    int8_t* ql = ql_ + o * QK;
+    for (int b = 0; b < nbp_; b++) {          // per four blocks: 4 low halves, then 4 high
+        const int g4 = b / 4, i = b % 4;
+        std::memcpy(ql + g4 * 128 + i * 16, q + b * QK, 16);
+        std::memcpy(ql + g4 * 128 + 64 + i * 16, q + b * QK + 16, 16);
+    }
+    for (int b = 0; b < nbp_; b++) {
+        const int g = b / 16, p = b % 16;
+        const int blk[2] = {g * 16 + lane_block256(p), g * 16 + lane_block512(p)};
+        for (int w = 0; w < 2; w++) {
+            dl_[w][o + b] = d_[o + blk[w]];
+            c4_[w][o + b] = -8 * s_[o + blk[w]];
+            c8_[w][o + b] = -128 * s_[o + blk[w]];
+        }
+    }
+}
+
+void QActs::export_blocks(int8_t* q, float* d, int32_t* s) const {
+    for (int t = 0; t < k_; t++) {
+        std::memcpy(q + (int64_t)t * nb_ * QK, q_ + (int64_t)t * nbp_ * QK, (size_t)nb_ * QK);
+        std::memcpy(d + (int64_t)t * nb_, d_ + (int64_t)t * nbp_, (size_t)nb_ * 4);
+        std::memcpy(s + (int64_t)t * nb_, s_ + (int64_t)t * nbp_, (size_t)nb_ * 4);
+    }
+}
+
+const int8_t* QActs::q(int t) const { return q_ + (int64_t)t * nbp_ * QK; }
+const float* QActs::d(int t) const { return d_ + (int64_t)t * nbp_; }
+const int32_t* QActs::s(int t) const { return s_ + (int64_t)t * nbp_; }
+const int8_t* QActs::lanes(int t) const { return ql_ + (int64_t)t * nbp_ * QK; }
+const float* QActs::lane_d(int t, int wide) const { return dl_[wide] + (int64_t)t * nbp_; }
+const int32_t* QActs::lane_corr(int t, int wide, int fmt) const {
+    return (fmt == FMT_Q4 ? c4_[wide] : c8_[wide]) + (int64_t)t * nbp_;
+}
+
+}  // namespace lab
