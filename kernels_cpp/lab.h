@@ -105,13 +105,15 @@ public:
     int cols() const { return cols_; }
     int nb() const { return nb_; }
     int nbp() const { return nbp_; }   // nb rounded up to 16 blocks, zero padded
-    // for the kernels
-    const int8_t* q(int t) const;
-    const float* d(int t) const;
-    const int32_t* s(int t) const;
-    const int8_t* lanes(int t) const;
-    const float* lane_d(int t, int wide) const;
-    const int32_t* lane_corr(int t, int wide, int fmt) const;
+    // for the kernels (inline: a call inside a kernel loop would spill every vector register)
+    const int8_t* q(int t) const { return q_ + (int64_t)t * nbp_ * 32; }
+    const float* d(int t) const { return d_ + (int64_t)t * nbp_; }
+    const int32_t* s(int t) const { return s_ + (int64_t)t * nbp_; }
+    const int8_t* lanes(int t) const { return ql_ + (int64_t)t * nbp_ * 32; }
+    const float* lane_d(int t, int wide) const { return dl_[wide] + (int64_t)t * nbp_; }
+    const int32_t* lane_corr(int t, int wide, int fmt) const {
+        return (fmt == FMT_Q4 ? c4_[wide] : c8_[wide]) + (int64_t)t * nbp_;
+    }
 private:
     void reserve(int k, int nbp);
     void build_lanes(int t);

@@ -280,13 +280,4 @@ void QActs::export_blocks(int8_t* q, float* d, int32_t* s) const {
     }
 }
 
-const int8_t* QActs::q(int t) const { return q_ + (int64_t)t * nbp_ * QK; }
-const float* QActs::d(int t) const { return d_ + (int64_t)t * nbp_; }
-const int32_t* QActs::s(int t) const { return s_ + (int64_t)t * nbp_; }
-const int8_t* QActs::lanes(int t) const { return ql_ + (int64_t)t * nbp_ * QK; }
-const float* QActs::lane_d(int t, int wide) const { return dl_[wide] + (int64_t)t * nbp_; }
-const int32_t* QActs::lane_corr(int t, int wide, int fmt) const {
-    return (fmt == FMT_Q4 ? c4_[wide] : c8_[wide]) + (int64_t)t * nbp_;
-}
-
 }  // namespace lab

@@ -53,7 +53,8 @@ def _blocks(x, name: str) -> np.ndarray:
 
 
 def _fp16_scales(s: np.ndarray, name: str, limit: str) -> np.ndarray:
-    h = s.astype(np.float16)
+    with np.errstate(over="ignore"):
+        h = s.astype(np.float16)
     over = ~np.isfinite(h)
     if over.any():
         b = int(np.flatnonzero(over)[0])

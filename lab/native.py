@@ -127,9 +127,9 @@ def _check_forced_path(ns) -> None:
     if p < 0:
         raise UnsupportedCPU(f"LAB_KERNEL_PATH={forced!r} is not a kernel path; use one of {', '.join(PATHS)}")
     if not ns.path_supported(p):
+        runs = [name for i, name in enumerate(PATHS) if ns.path_supported(i)]
         raise UnsupportedCPU(
-            f"LAB_KERNEL_PATH={forced!r} needs instructions this CPU lacks; "
-            f"it runs: {', '.join(supported_paths())}")
+            f"LAB_KERNEL_PATH={forced!r} needs instructions this CPU lacks; it runs: {', '.join(runs)}")
 
 
 def supported_paths() -> list[str]:

@@ -1,0 +1,190 @@
+"""The Python face of the C++ kernels: thread pools, activation quantization, matmul.
+
+Every argument is checked here, so a wrong dtype, a non-contiguous or misaligned array,
+a shape mismatch or a k out of range is a Python exception naming the argument, never a
+crash in C++. Arrays pass to C++ zero-copy; the GIL is released while it runs.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import native
+from .formats import ALIGN, BYTES_PER_BLOCK, QK, QTensor, QuantizationError, aligned_copy, aligned_empty
+
+MAX_K = 16
+_FMT_ID = {"q8": 1, "q4": 2}
+_MM_ERRORS = {1: "unknown weight format", 2: "shapes do not match", 3: "k out of range",
+              4: "kernel path not supported by this CPU"}
+
+
+def check_array(a, name: str, dtype, ndim: int | None = None, align: int | None = None) -> np.ndarray:
+    if not isinstance(a, np.ndarray):
+        raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
+    if a.dtype != np.dtype(dtype):
+        raise TypeError(f"{name} must be {np.dtype(dtype).name}, got {a.dtype.name}")
+    if ndim is not None and a.ndim != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {a.shape}")
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
+    if align and a.ctypes.data % align:
+        raise ValueError(f"{name} must start on a {align}-byte boundary (use lab.formats.aligned_copy)")
+    return a
+
+
+class Pool:
+    """Persistent worker threads, each pinned to its own CPU (the caller is thread 0).
+
+    threads: how many (default: every CPU this process may use); cpus: which CPUs, in
+    thread order (default: the allowed CPUs in order); pin: False leaves placement to the OS.
+    """
+
+    def __init__(self, threads: int | None = None, cpus: list[int] | None = None, pin: bool = True):
+        ns = native.lib()
+        import os
+        allowed = sorted(os.sched_getaffinity(0))
+        n = len(cpus) if threads is None and cpus else (threads or len(allowed))
+        if not isinstance(n, int) or n < 1:
+            raise ValueError(f"threads must be a positive integer, got {threads!r}")
+        if n > len(allowed):
+            raise ValueError(f"threads={n} is more than the {len(allowed)} CPUs this process may use "
+                             f"({allowed}); oversubscribed spin barriers stall for whole scheduler ticks")
+        if cpus is not None:
+            cpus = [int(c) for c in cpus]
+            if len(cpus) != n:
+                raise ValueError(f"cpus lists {len(cpus)} CPUs for threads={n}")
+            if len(set(cpus)) != n or any(c not in allowed for c in cpus):
+                raise ValueError(f"cpus={cpus} must be distinct CPUs among those allowed: {allowed}")
+        self.threads, self.cpus, self.pin = n, cpus or allowed[:n], pin
+        vec = __import__("cppyy").gbl.std.vector["int"](self.cpus)
+        self._pool = ns.ThreadPool(n, vec, pin)
+
+    def __repr__(self) -> str:
+        return f"Pool(threads={self.threads}, cpus={self.cpus}, pin={self.pin})"
+
+
+def _pool_ptr(pool: Pool | None):
+    if pool is None:
+        import cppyy
+        return cppyy.nullptr
+    if not isinstance(pool, Pool):
+        raise TypeError(f"pool must be a lab.kernels.Pool or None, got {type(pool).__name__}")
+    return pool._pool
+
+
+class Acts:
+    """k tokens of a matmul input, quantized once to 8-bit blocks by the C++ quantizer."""
+
+    def __init__(self, x: np.ndarray, path: str | None = None):
+        x = check_array(x, "x", np.float32)
+        if x.ndim == 1:
+            x = x.reshape(1, -1)
+        if x.ndim != 2:
+            raise ValueError(f"x must be [k, cols] or [cols], got shape {x.shape}")
+        k, cols = x.shape
+        if k < 1 or cols < QK or cols % QK:
+            raise ValueError(f"x has shape {x.shape}: need k >= 1 and cols a positive multiple of {QK}")
+        ns = native.lib()
+        self.path = native.path_id(path)
+        self._acts = ns.QActs()
+        bad = np.zeros(1, np.int64)
+        rc = self._acts.quantize(x, k, cols, self.path, bad)
+        if rc == 1:
+            i = int(bad[0])
+            raise QuantizationError(f"x has a non-finite value ({x.flat[i]}) at token {i // cols}, "
+                                    f"column {i % cols}: NaN and inf cannot be quantized")
+        if rc != 0:
+            raise ValueError(f"x has shape {x.shape}: cannot quantize (code {rc})")
+        self.k, self.cols = k, cols
+
+    def blocks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The canonical blocks: int8 [k, nb, 32], fp32 scales [k, nb], int32 sums [k, nb]."""
+        nb = self.cols // QK
+        q = np.zeros((self.k, nb, QK), np.int8)
+        d = np.zeros((self.k, nb), np.float32)
+        s = np.zeros((self.k, nb), np.int32)
+        self._acts.export_blocks(q, d, s)
+        return q, d, s
+
+
+def quantize_acts(x: np.ndarray, path: str | None = None) -> Acts:
+    return Acts(x, path)
+
+
+def check_qtensor(W: QTensor, name: str = "W") -> None:
+    if not isinstance(W, QTensor):
+        raise TypeError(f"{name} must be a lab.formats.QTensor, got {type(W).__name__}")
+    if W.fmt not in _FMT_ID:
+        raise ValueError(f"{name}.fmt={W.fmt!r}: kernels take {', '.join(_FMT_ID)}")
+    rows, cols = W.shape
+    if cols % QK or rows < 1:
+        raise ValueError(f"{name}.shape={W.shape}: need rows >= 1 and cols a multiple of {QK}")
+    nb = cols // QK
+    check_array(W.d, f"{name}.d", np.uint16, align=ALIGN)
+    check_array(W.q, f"{name}.q", np.uint8, align=ALIGN)
+    if W.d.size != rows * nb:
+        raise ValueError(f"{name}.d holds {W.d.size} scales; shape {W.shape} needs {rows * nb}")
+    if W.q.size != rows * nb * BYTES_PER_BLOCK[W.fmt]:
+        raise ValueError(f"{name}.q holds {W.q.size} bytes; shape {W.shape} in {W.fmt} needs "
+                         f"{rows * nb * BYTES_PER_BLOCK[W.fmt]}")
+
+
+def qmat(W: QTensor):
+    check_qtensor(W)
+    return native.lib().make_qmat(_FMT_ID[W.fmt], W.rows, W.cols, W.d, W.q)
+
+
+def matmul(W: QTensor, x, path: str | None = None, pool: Pool | None = None, chunk: int = 0,
+           out: np.ndarray | None = None) -> np.ndarray:
+    """y[t, r] = sum_c W[r, c] x[t, c] for k = 1..16 tokens in one pass over W -> [k, rows]."""
+    m = qmat(W)
+    acts = x if isinstance(x, Acts) else Acts(x, path)
+    p = native.path_id(path)
+    if acts.cols != W.cols:
+        raise ValueError(f"x has {acts.cols} columns but W has shape {W.shape}")
+    if not 1 <= acts.k <= MAX_K:
+        raise ValueError(f"x holds k={acts.k} tokens: one pass takes 1 to {MAX_K}")
+    if not isinstance(chunk, int) or chunk < 0:
+        raise ValueError(f"chunk must be 0 (static split) or a positive row count, got {chunk!r}")
+    if out is None:
+        out = np.empty((acts.k, W.rows), np.float32)
+    check_array(out, "out", np.float32, ndim=2)
+    if out.shape != (acts.k, W.rows):
+        raise ValueError(f"out has shape {out.shape}, needs {(acts.k, W.rows)}")
+    rc = native.lib().matmul(m, acts._acts, out, W.rows, p, _pool_ptr(pool), chunk)
+    if rc:
+        raise ValueError(f"matmul: {_MM_ERRORS.get(rc, rc)}")
+    return out
+
+
+def quantize(x: np.ndarray, fmt: str, name: str = "x") -> QTensor:
+    """The C++ quantizer (what export uses for speed); byte-identical to lab.formats.quantize."""
+    if fmt not in _FMT_ID:
+        raise ValueError(f"fmt={fmt!r}: quantized formats are {', '.join(_FMT_ID)}")
+    x = check_array(np.asarray(x), name, np.float32, ndim=2)
+    rows, cols = x.shape
+    if cols % QK:
+        raise ValueError(f"{name} has {cols} columns: block formats need a multiple of {QK}")
+    nb = cols // QK
+    d = aligned_empty((rows, nb), np.uint16)
+    q = aligned_empty((rows, nb * BYTES_PER_BLOCK[fmt]), np.uint8)
+    bad = np.zeros(1, np.int64)
+    ns = native.lib()
+    rc = (ns.quantize_q4(x, x.size, d, q, bad) if fmt == "q4"
+          else ns.quantize_q8(x, x.size, d, q.view(np.int8), bad))
+    if rc == 1:
+        raise QuantizationError(f"{name} has a non-finite value at flat index {int(bad[0])}: "
+                                f"NaN and inf cannot be quantized")
+    if rc == 2:
+        raise QuantizationError(f"{name}: the block at flat index {int(bad[0])} needs a scale past "
+                                f"fp16's range; rescale the tensor or keep it in f32")
+    return QTensor(fmt, (rows, cols), d, q)
+
+
+def random_qtensor(fmt: str, rows: int, cols: int, seed: int = 0) -> QTensor:
+    """A matrix of random quantized bytes and modest scales, made fast in C++ (for benchmarks)."""
+    nb = cols // QK
+    q = aligned_empty((rows, nb * BYTES_PER_BLOCK[fmt]), np.uint8)
+    native.lib().fill_random(q, q.size, seed)
+    rng = np.random.default_rng(seed)
+    d = aligned_copy(rng.uniform(1e-3, 2e-2, (rows, nb)).astype(np.float16).view(np.uint16))
+    return QTensor(fmt, (rows, cols), d, q)

@@ -1,0 +1,44 @@
+"""`lab bench` prints what other tools read: the keys promised, with sane values."""
+import json
+import subprocess
+import sys
+
+from lab import bench, native
+
+ROOT = native.SOURCE_DIR.parent
+
+
+def run_lab(*args):
+    r = subprocess.run([sys.executable, "-m", "lab.cli", *args], cwd=ROOT, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+def test_summary_median_and_iqr():
+    s = bench.summary([5, 1, 3, 2, 4])
+    assert s["median"] == 3 and s["q1"] == 2 and s["q3"] == 4 and s["iqr"] == 2
+
+
+def test_interleave_alternates():
+    order = []
+    bench.interleave({"a": lambda: order.append("a") or [1], "b": lambda: order.append("b") or [2]}, 3)
+    assert order == ["a", "b"] * 3
+
+
+def test_bandwidth_json():
+    r = json.loads(run_lab("bench", "bandwidth", "--json", "--mb", "64", "--rounds", "1"))
+    assert r["read_gbps"] > 0.5 and r["threads"] >= 1
+    assert {x["kind"] for x in r["results"]} == {"read", "copy", "triad"}
+    assert r["machine"]["kernel_path"] in native.PATHS
+
+
+def test_kernels_json():
+    r = json.loads(run_lab("bench", "kernels", "--json", "--quick", "--k", "1,4", "--kernel", "q4"))
+    recs = r["results"]
+    assert {(x["working_set"], x["k"]) for x in recs} == {("dram", 1), ("dram", 4), ("l2", 1), ("l2", 4)}
+    for x in recs:
+        assert x["kernel"] == "q4" and x["threads"] >= 1
+        for key in ("gmacs", "gbps", "share_of_bandwidth", "share_of_peak"):
+            assert x[key] > 0, key
+    assert r["dot_peak_gmacs"] > 0 and r["read_gbps"] > 0

@@ -1,0 +1,165 @@
+"""The kernels: every SIMD path equals the scalar reference bit for bit and a float64
+NumPy reference within float32 rounding; a k-token call equals k single-token calls; the
+thread split never changes a bit; bad arguments are exceptions, not crashes."""
+import numpy as np
+import pytest
+
+from lab import formats, kernels, native
+
+from .conftest import simd_paths
+
+SHAPES = [(1, 32), (7, 96), (33, 544), (64, 512), (19, 1056), (130, 2080)]   # odd rows, partial groups
+
+
+def bits(a):
+    return np.ascontiguousarray(a).view(np.uint32)
+
+
+def reference64(W, x):
+    """float64 result of the quantized inputs, and a bound on float32 rounding along the sum."""
+    q, d, _ = formats.quantize_acts(x)
+    A = (q.astype(np.float64) * d[..., None].astype(np.float64)).reshape(x.shape)
+    Wd = W.dequantize().astype(np.float64)
+    y = A @ Wd.T
+    bound = 4 * (W.cols // 32 + 8) * 2.0**-24 * (np.abs(A) @ np.abs(Wd).T) + 1e-30
+    return y, bound
+
+
+@pytest.fixture(params=["q4", "q8"])
+def fmt(request):
+    return request.param
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("k", [1, 3, 16])
+def test_scalar_reference_against_float64(fmt, shape, k, rng):
+    W = formats.quantize(rng.standard_normal(shape).astype(np.float32), fmt)
+    x = rng.standard_normal((k, shape[1])).astype(np.float32)
+    y = kernels.matmul(W, x, path="scalar")
+    want, bound = reference64(W, x)
+    assert (np.abs(y - want) <= bound).all()
+
+
+@pytest.mark.parametrize("path", simd_paths())
+@pytest.mark.parametrize("shape", SHAPES)
+def test_simd_equals_scalar_bit_for_bit(fmt, path, shape, rng):
+    W = formats.quantize((rng.standard_normal(shape) * 0.1).astype(np.float32), fmt)
+    for k in (1, 2, 5, 16):
+        x = (rng.standard_normal((k, shape[1])) * 3).astype(np.float32)
+        want = kernels.matmul(W, x, path="scalar")
+        got = kernels.matmul(W, x, path=path)
+        assert np.array_equal(bits(got), bits(want)), (path, k)
+        ref, bound = reference64(W, x)
+        assert (np.abs(got - ref) <= bound).all()
+
+
+@pytest.mark.parametrize("path", native.supported_paths())
+def test_k_tokens_equal_k_single_calls(fmt, path, rng):
+    W = formats.quantize(rng.standard_normal((45, 608)).astype(np.float32), fmt)
+    x = rng.standard_normal((16, 608)).astype(np.float32)
+    singles = np.stack([kernels.matmul(W, x[t:t + 1], path=path)[0] for t in range(16)])
+    for k in range(1, 17):
+        got = kernels.matmul(W, x[:k], path=path)
+        assert np.array_equal(bits(got), bits(singles[:k])), k
+
+
+@pytest.mark.parametrize("path", native.supported_paths())
+def test_thread_split_changes_nothing(fmt, path, rng):
+    W = formats.quantize(rng.standard_normal((257, 1024)).astype(np.float32), fmt)
+    x = rng.standard_normal((4, 1024)).astype(np.float32)
+    one = kernels.matmul(W, x, path=path)
+    threads = min(2, len(__import__("os").sched_getaffinity(0)))
+    pool = kernels.Pool(threads)
+    for chunk in (0, 1, 16, 1000):
+        got = kernels.matmul(W, x, path=path, pool=pool, chunk=chunk)
+        assert np.array_equal(bits(got), bits(one)), chunk
+    unpinned = kernels.Pool(threads, pin=False)
+    assert np.array_equal(bits(kernels.matmul(W, x, path=path, pool=unpinned)), bits(one))
+
+
+def test_extreme_activations_stay_exact(fmt, rng):
+    """Saturated int8 activations and the largest nibbles: no int16 overflow on any path."""
+    w = np.where(rng.random((8, 256)) < 0.5, -1.0, 1.0).astype(np.float32)
+    w[:, ::32] = -8.0 if fmt == "q4" else 127.0
+    W = formats.quantize(w, fmt)
+    x = np.where(rng.random((3, 256)) < 0.5, -127.0, 127.0).astype(np.float32)
+    want = kernels.matmul(W, x, path="scalar")
+    ref, bound = reference64(W, x)
+    assert (np.abs(want - ref) <= bound).all()
+    for path in simd_paths():
+        assert np.array_equal(bits(kernels.matmul(W, x, path=path)), bits(want)), path
+
+
+# ----------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------
+
+@pytest.fixture
+def W(rng):
+    return formats.quantize(rng.standard_normal((8, 64)).astype(np.float32), "q4")
+
+
+def test_wrong_dtype(W):
+    with pytest.raises(TypeError, match="x must be float32"):
+        kernels.matmul(W, np.ones((1, 64), np.float64))
+    with pytest.raises(TypeError, match="W.d must be uint16"):
+        kernels.matmul(formats.QTensor("q4", (8, 64), W.d.view(np.int16), W.q), np.ones((1, 64), np.float32))
+
+
+def test_non_contiguous(W):
+    x = np.ones((1, 128), np.float32)[:, ::2]
+    with pytest.raises(ValueError, match="x must be C-contiguous"):
+        kernels.matmul(W, x)
+
+
+def test_misaligned(W):
+    raw = formats.aligned_empty((W.q.size + 1,), np.uint8)
+    q = raw[1:].reshape(W.q.shape)
+    q[...] = W.q
+    with pytest.raises(ValueError, match="W.q must start on a 64-byte boundary"):
+        kernels.matmul(formats.QTensor("q4", W.shape, W.d, q), np.ones((1, 64), np.float32))
+
+
+def test_mismatched_shapes(W):
+    with pytest.raises(ValueError, match="x has 96 columns but W has shape"):
+        kernels.matmul(W, np.ones((1, 96), np.float32))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        kernels.matmul(W, np.ones((1, 70), np.float32))
+    with pytest.raises(ValueError, match="W.q holds"):
+        kernels.matmul(formats.QTensor("q4", (8, 64), W.d, W.q[:4]), np.ones((1, 64), np.float32))
+    with pytest.raises(ValueError, match="out has shape"):
+        kernels.matmul(W, np.ones((2, 64), np.float32), out=np.empty((1, 8), np.float32))
+
+
+@pytest.mark.parametrize("k", [17, 40])
+def test_k_out_of_range(W, k):
+    with pytest.raises(ValueError, match="k=.*1 to 16"):
+        kernels.matmul(W, np.ones((k, 64), np.float32))
+
+
+def test_too_many_threads():
+    import os
+    n = len(os.sched_getaffinity(0))
+    with pytest.raises(ValueError, match="threads=.*more than"):
+        kernels.Pool(n + 1)
+    with pytest.raises(ValueError, match="cpus="):
+        kernels.Pool(1, cpus=[10_000])
+
+
+def test_bad_path_and_chunk(W):
+    x = np.ones((1, 64), np.float32)
+    with pytest.raises(ValueError, match="not a kernel path"):
+        kernels.matmul(W, x, path="neon")
+    with pytest.raises(ValueError, match="chunk"):
+        kernels.matmul(W, x, chunk=-1)
+    if "avxvnni" not in native.supported_paths():
+        with pytest.raises(native.UnsupportedCPU, match="lacks"):
+            kernels.matmul(W, x, path="avxvnni")
+
+
+def test_cpp_guards_without_python_checks(ns, W):
+    """The C++ entry point refuses bad shapes on its own (for callers that skip lab.kernels)."""
+    acts = kernels.Acts(np.ones((1, 96), np.float32))
+    y = np.zeros((1, 8), np.float32)
+    assert ns.matmul(kernels.qmat(W), acts._acts, y, 8, 0, __import__("cppyy").nullptr, 0) == ns.MM_SHAPE
+    assert ns.QActs().quantize(np.ones(40, np.float32), 1, 40, 0, np.zeros(1, np.int64)) == ns.Q_BAD_SHAPE

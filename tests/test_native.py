@@ -1,0 +1,91 @@
+"""The native build: cached by sources, flags and compiler; rebuilt on an edit and only
+then; clear errors for a missing compiler, a compile error and a forced path the CPU lacks."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lab import native
+from lab.errors import NativeBuildError
+
+ROOT = native.SOURCE_DIR.parent
+
+
+@pytest.fixture
+def tree(tmp_path, monkeypatch):
+    """A private copy of kernels_cpp/ and an empty cache."""
+    src = tmp_path / "kernels_cpp"
+    shutil.copytree(native.SOURCE_DIR, src)
+    monkeypatch.setattr(native, "SOURCE_DIR", src)
+    monkeypatch.setenv("LAB_CACHE", str(tmp_path / "cache"))
+    return src
+
+
+def test_cache_rebuilds_after_edit_and_not_otherwise(tree):
+    first = native.build()
+    stamp = first.stat().st_mtime_ns
+    t0 = time.perf_counter()
+    assert native.build() == first                      # unchanged: found, not rebuilt
+    assert time.perf_counter() - t0 < 0.5
+    assert first.stat().st_mtime_ns == stamp
+    with open(tree / "cpu.cpp", "a") as f:
+        f.write("\n// an edit\n")
+    second = native.build()
+    assert second != first and second.exists() and first.exists()
+
+
+def test_flags_are_part_of_the_key(tree, monkeypatch):
+    key = native.build_key()
+    monkeypatch.setattr(native, "FLAGS", native.FLAGS + ["-DLAB_EXTRA"])
+    assert native.build_key() != key
+
+
+def test_compile_error_is_reported(tree):
+    (tree / "broken.cpp").write_text("int broken( { return 0; }\n")
+    with pytest.raises(NativeBuildError, match=r"compiling kernels_cpp/ failed(.|\n)*broken\.cpp"):
+        native.build()
+    assert not list((native.cache_dir() / "native").glob("*/*.so"))   # nothing half-written kept
+
+
+def test_no_compiler(monkeypatch):
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with pytest.raises(NativeBuildError, match="no C\\+\\+ compiler found"):
+        native.compiler()
+
+
+def _lab_info(env_extra):
+    env = dict(os.environ, **env_extra)
+    return subprocess.run([sys.executable, "-m", "lab.cli", "info", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("path", ["scalar", "avx2"])
+def test_forced_lower_path(path):
+    if path not in native.supported_paths():
+        pytest.skip(f"this CPU does not run {path}")
+    r = _lab_info({"LAB_KERNEL_PATH": path})
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["active_path"] == path and info["kernels"]["matmul_q4"] == path
+
+
+def test_forced_unknown_or_unsupported_path():
+    r = _lab_info({"LAB_KERNEL_PATH": "sse9"})
+    assert r.returncode == 2 and "not a kernel path" in r.stderr
+    missing = [p for p in native.PATHS if p not in native.supported_paths()]
+    if missing:
+        r = _lab_info({"LAB_KERNEL_PATH": missing[0]})
+        assert r.returncode == 2 and "lacks" in r.stderr
+
+
+def test_cpu_report():
+    info = native.cpu()
+    assert info["logical_cpus"] >= 1
+    assert info["active_path"] in info["supported_paths"]
+    assert "scalar" in info["supported_paths"]
+    if info["flags"]["avx2"] and info["flags"]["fma"] and info["flags"]["f16c"]:
+        assert "avx2" in info["supported_paths"]
