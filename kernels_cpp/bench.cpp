@@ -212,7 +212,7 @@ double bench_dot_peak(int path, int64_t iters) {
     }
 }
 
-int bench_matmul(const QMat& W, const QActs& A, float* y, int path, ThreadPool* pool, int chunk,
+int bench_matmul(const PackedMat& W, const QActs& A, float* y, int path, ThreadPool* pool, int chunk,
                  int reps, double* secs) {
     PinScope pin(pool);
     int rc = matmul(W, A, y, W.rows, path, pool, chunk);   // warm-up, and the argument check

@@ -3,6 +3,7 @@
 // Plain types and pointers only: numpy arrays pass zero-copy as pointers, and nothing
 // here needs the SIMD headers, so cling parses it in a blink.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 #include <vector>
 
@@ -89,9 +90,54 @@ struct QMat {
 };
 QMat make_qmat(int fmt, int rows, int cols, const uint16_t* d, const uint8_t* q);
 
-// k tokens of one matmul input, quantized once to 8-bit blocks. Besides the canonical
-// blocks it keeps the copies the SIMD kernels read (bytes regrouped into low and high
-// halves per four blocks; scales and offset corrections in register-lane order).
+// The kernels' layout: rows in tiles of 16, so each register lane holds one row and a
+// block's dot product needs no horizontal sum. Still split: scales, then bytes.
+//   d: [tile][block][16 rows] fp16
+//   q: [tile][block][chunk][16 rows][4 bytes], chunks of four bytes of the row's block
+//      (4 chunks for q4, nibbles as stored; 8 for q8, stored as q + 128)
+// Rows past the end of the last tile are zero.
+constexpr int TILE = 16;
+
+struct PackedMat {
+    int fmt, rows, cols, tiles;
+    const uint16_t* d;
+    const uint8_t* q;
+};
+
+// Repacks (and owns) a matrix; from the split layout, or adopts already-packed memory.
+class Packed {
+public:
+    Packed();
+    ~Packed();
+    Packed(const Packed&) = delete;
+    Packed& operator=(const Packed&) = delete;
+    int pack(const QMat& W);                 // MM_OK or MM_BAD_FORMAT / MM_SHAPE
+    PackedMat view() const { return m_; }
+    int64_t nbytes() const;
+private:
+    void* mem_ = nullptr;
+    PackedMat m_{};
+};
+void* alloc_huge(size_t bytes);   // 64-byte aligned; on 2 MB pages when large (free with free())
+
+// Memory allocated the way weights are (for benchmarks that must read like the kernels do).
+class Buffer {
+public:
+    explicit Buffer(int64_t bytes) : p_((uint8_t*)alloc_huge((size_t)bytes)), n_(bytes) {}
+    ~Buffer();
+    Buffer(const Buffer&) = delete;
+    Buffer& operator=(const Buffer&) = delete;
+    uint8_t* data() { return p_; }
+    int64_t size() const { return n_; }
+private:
+    uint8_t* p_;
+    int64_t n_;
+};
+int64_t packed_scale_count(int rows, int cols);   // fp16 scales in the packed layout
+int64_t packed_byte_count(int fmt, int rows, int cols);
+
+// k tokens of one matmul input, quantized once to 8-bit blocks, with each block's
+// offset corrections (-8 sum and -128 sum) ready to broadcast.
 class QActs {
 public:
     QActs();
@@ -100,29 +146,22 @@ public:
     QActs& operator=(const QActs&) = delete;
     // Returns Q_OK, or Q_NONFINITE with *bad the flat index of the first NaN/inf.
     int quantize(const float* x, int k, int cols, int path, int64_t* bad);
-    void export_blocks(int8_t* q, float* d, int32_t* s) const;  // canonical [k][nb]
+    void export_blocks(int8_t* q, float* d, int32_t* s) const;  // [k][nb]
     int k() const { return k_; }
     int cols() const { return cols_; }
     int nb() const { return nb_; }
-    int nbp() const { return nbp_; }   // nb rounded up to 16 blocks, zero padded
     // for the kernels (inline: a call inside a kernel loop would spill every vector register)
-    const int8_t* q(int t) const { return q_ + (int64_t)t * nbp_ * 32; }
-    const float* d(int t) const { return d_ + (int64_t)t * nbp_; }
-    const int32_t* s(int t) const { return s_ + (int64_t)t * nbp_; }
-    const int8_t* lanes(int t) const { return ql_ + (int64_t)t * nbp_ * 32; }
-    const float* lane_d(int t, int wide) const { return dl_[wide] + (int64_t)t * nbp_; }
-    const int32_t* lane_corr(int t, int wide, int fmt) const {
-        return (fmt == FMT_Q4 ? c4_[wide] : c8_[wide]) + (int64_t)t * nbp_;
-    }
+    const int8_t* q(int t) const { return q_ + (int64_t)t * nb_ * 32; }
+    const float* d(int t) const { return d_ + (int64_t)t * nb_; }
+    const int32_t* s(int t) const { return s_ + (int64_t)t * nb_; }
+    const int32_t* corr(int t, int fmt) const { return (fmt == FMT_Q4 ? c4_ : c8_) + (int64_t)t * nb_; }
 private:
-    void reserve(int k, int nbp);
-    void build_lanes(int t);
-    int k_ = 0, cols_ = 0, nb_ = 0, nbp_ = 0, cap_ = 0;
+    void reserve(int64_t blocks);
+    int k_ = 0, cols_ = 0, nb_ = 0;
+    int64_t cap_ = 0;
     void* mem_ = nullptr;
-    int8_t* q_ = nullptr; float* d_ = nullptr; int32_t* s_ = nullptr; int8_t* ql_ = nullptr;
-    float* dl_[2] = {nullptr, nullptr};
-    int32_t* c4_[2] = {nullptr, nullptr};
-    int32_t* c8_[2] = {nullptr, nullptr};
+    int8_t* q_ = nullptr; float* d_ = nullptr; int32_t* s_ = nullptr;
+    int32_t* c4_ = nullptr; int32_t* c8_ = nullptr;
 };
 
 constexpr int MAX_K = 16;
@@ -131,8 +170,9 @@ enum MatmulStatus : int {
     MM_OK = 0, MM_BAD_FORMAT = 1, MM_SHAPE = 2, MM_BAD_K = 3, MM_PATH_UNSUPPORTED = 4
 };
 
-// y[t * ldy + r] = sum_c W[r, c] * A[t, c] for t < A.k(), r < W.rows.
-int matmul(const QMat& W, const QActs& A, float* y, int64_t ldy, int path,
+// y[t * ldy + r] = sum_c W[r, c] * A[t, c] for t < A.k(), r < W.rows. Work is split over
+// the pool by tiles of 16 rows: statically, or in chunks of `chunk` tiles.
+int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path,
            ThreadPool* pool, int chunk);
 
 // ----------------------------------------------------------------------------
@@ -145,7 +185,7 @@ void bench_triad(float* a, const float* b, const float* c, int64_t n, ThreadPool
                  int reps, double* secs);
 // Independent dot-product chains on one thread: returns int8 multiply-accumulates per second.
 double bench_dot_peak(int path, int64_t iters);
-int bench_matmul(const QMat& W, const QActs& A, float* y, int path, ThreadPool* pool,
+int bench_matmul(const PackedMat& W, const QActs& A, float* y, int path, ThreadPool* pool,
                  int chunk, int reps, double* secs);
 void fill_random(uint8_t* buf, int64_t n, uint64_t seed);
 

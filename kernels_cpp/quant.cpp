@@ -8,7 +8,6 @@
 
 #include "formats.h"
 #include "lab.h"
-#include "lanes.h"
 
 namespace lab {
 
@@ -208,76 +207,50 @@ static int quantize_act_avx512(const float* x, int8_t* q, float* d, int32_t* s) 
 QActs::QActs() = default;
 QActs::~QActs() { std::free(mem_); }
 
-// One allocation, regions 64-byte aligned: q, ql (32 bytes a block), then d, s and the
-// lane-ordered scale and corrections (4 bytes a block each).
-void QActs::reserve(int k, int nbp) {
-    const int need = k * nbp;
-    if (need <= cap_) return;
+// One allocation, 64-byte aligned regions: q (32 bytes a block), then d, s, c4, c8.
+void QActs::reserve(int64_t blocks) {
+    if (blocks <= cap_) return;
     std::free(mem_);
-    const size_t bytes = (size_t)need * (2 * QK + 8 * 4);
+    const size_t bytes = (size_t)blocks * (QK + 4 * 4) + 5 * 64;
     mem_ = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-    cap_ = need;
+    cap_ = blocks;
+}
+
+static char* carve(char*& p, size_t bytes) {
+    char* out = p;
+    p += (bytes + 63) / 64 * 64;
+    return out;
 }
 
 int QActs::quantize(const float* x, int k, int cols, int path, int64_t* bad) {
     if (k < 1 || cols < QK || cols % QK != 0) return Q_BAD_SHAPE;
-    k_ = k; cols_ = cols; nb_ = cols / QK; nbp_ = (nb_ + 15) / 16 * 16;
-    reserve(k, nbp_);
-    const int64_t n = (int64_t)k * nbp_;
+    k_ = k; cols_ = cols; nb_ = cols / QK;
+    const int64_t n = (int64_t)k * nb_;
+    reserve(n);
     char* p = (char*)mem_;
-    q_ = (int8_t*)p;        p += n * QK;
-    ql_ = (int8_t*)p;       p += n * QK;
-    d_ = (float*)p;         p += n * 4;
-    s_ = (int32_t*)p;       p += n * 4;
-    for (int w = 0; w < 2; w++) {
-        dl_[w] = (float*)p;   p += n * 4;
-        c4_[w] = (int32_t*)p; p += n * 4;
-        c8_[w] = (int32_t*)p; p += n * 4;
-    }
+    q_ = (int8_t*)carve(p, n * QK);
+    d_ = (float*)carve(p, n * 4);
+    s_ = (int32_t*)carve(p, n * 4);
+    c4_ = (int32_t*)carve(p, n * 4);
+    c8_ = (int32_t*)carve(p, n * 4);
     auto block = path == PATH_AVX512VNNI || path == PATH_VNNI256_EVEX ? quantize_act_avx512
                : path == PATH_SCALAR                                 ? quantize_act_scalar
                                                                      : quantize_act_avx2;
     if (!path_supported(path)) block = quantize_act_scalar;
-    for (int t = 0; t < k; t++) {
-        for (int b = 0; b < nbp_; b++) {
-            int8_t* qb = q_ + ((int64_t)t * nbp_ + b) * QK;
-            float* db = d_ + (int64_t)t * nbp_ + b;
-            int32_t* sb = s_ + (int64_t)t * nbp_ + b;
-            if (b >= nb_) { std::memset(qb, 0, QK); *db = 0.f; *sb = 0; continue; }
-            const int nf = block(x + (int64_t)t * cols + (int64_t)b * QK, qb, db, sb);
-            if (nf >= 0) { *bad = (int64_t)t * cols + (int64_t)b * QK + nf; return Q_NONFINITE; }
-        }
-        build_lanes(t);
+    for (int64_t b = 0; b < n; b++) {
+        const int nf = block(x + b * QK, q_ + b * QK, d_ + b, s_ + b);
+        if (nf >= 0) { *bad = b * QK + nf; return Q_NONFINITE; }
+        c4_[b] = -8 * s_[b];
+        c8_[b] = -128 * s_[b];
     }
     return Q_OK;
 }
 
-void QActs::build_lanes(int t) {
-    const int64_t o = (int64_t)t * nbp_;
-    const int8_t* q = q_ + o * QK;
-    int8_t* ql = ql_ + o * QK;
-    for (int b = 0; b < nbp_; b++) {          // per four blocks: 4 low halves, then 4 high
-        const int g4 = b / 4, i = b % 4;
-        std::memcpy(ql + g4 * 128 + i * 16, q + b * QK, 16);
-        std::memcpy(ql + g4 * 128 + 64 + i * 16, q + b * QK + 16, 16);
-    }
-    for (int b = 0; b < nbp_; b++) {
-        const int g = b / 16, p = b % 16;
-        const int blk[2] = {g * 16 + lane_block256(p), g * 16 + lane_block512(p)};
-        for (int w = 0; w < 2; w++) {
-            dl_[w][o + b] = d_[o + blk[w]];
-            c4_[w][o + b] = -8 * s_[o + blk[w]];
-            c8_[w][o + b] = -128 * s_[o + blk[w]];
-        }
-    }
-}
-
 void QActs::export_blocks(int8_t* q, float* d, int32_t* s) const {
-    for (int t = 0; t < k_; t++) {
-        std::memcpy(q + (int64_t)t * nb_ * QK, q_ + (int64_t)t * nbp_ * QK, (size_t)nb_ * QK);
-        std::memcpy(d + (int64_t)t * nb_, d_ + (int64_t)t * nbp_, (size_t)nb_ * 4);
-        std::memcpy(s + (int64_t)t * nb_, s_ + (int64_t)t * nbp_, (size_t)nb_ * 4);
-    }
+    const int64_t n = (int64_t)k_ * nb_;
+    std::memcpy(q, q_, (size_t)n * QK);
+    std::memcpy(d, d_, (size_t)n * 4);
+    std::memcpy(s, s_, (size_t)n * 4);
 }
 
 }  // namespace lab

@@ -28,13 +28,24 @@ def summary(samples) -> dict:
     return {"median": float(med), "q1": float(q1), "q3": float(q3), "iqr": float(q3 - q1), "n": int(a.size)}
 
 
-def interleave(candidates: dict[str, Callable[[], list[float]]], rounds: int) -> dict[str, list[float]]:
-    """Run each candidate once per round, in turn (A B A B ...), collecting its samples."""
-    out: dict[str, list[float]] = {name: [] for name in candidates}
+def interleave(candidates: dict[str, Callable[[], list[float]]], rounds: int) -> dict[str, list[list[float]]]:
+    """Run each candidate once per round, in turn (A B A B ...): name -> one list of samples per round."""
+    out: dict[str, list[list[float]]] = {name: [] for name in candidates}
     for _ in range(rounds):
         for name, fn in candidates.items():
-            out[name].extend(fn())
+            out[name].append(list(fn()))
     return out
+
+
+def flat(rounds: list[list[float]]) -> list[float]:
+    return [x for r in rounds for x in r]
+
+
+def paired_ratio(a: list[list[float]], b: list[list[float]]) -> dict:
+    """Median and IQR over rounds of median(a) / median(b) within each round: on a shared
+    machine, neighbours in time see the same noise, so their ratio is steadier than
+    the ratio of the two overall medians."""
+    return summary([np.median(x) / np.median(y) for x, y in zip(a, b)])
 
 
 def commit() -> str | None:
@@ -72,12 +83,34 @@ def _time(fn, reps: int) -> list[float]:
     return list(secs)
 
 
+def read_buffer(nbytes: int):
+    """A buffer allocated like the kernels' weights (2 MB pages where allowed), filled with
+    random bytes -> (array, owner); keep the owner alive as long as the array."""
+    ns = native.lib()
+    owner = ns.Buffer(nbytes)
+    view = owner.data()
+    view.reshape((nbytes,))
+    buf = np.frombuffer(view, dtype=np.uint8)
+    ns.fill_random(buf, nbytes, 1)
+    return buf, owner
+
+
+def read_sampler(buf: np.ndarray, pool: kernels.Pool, reps: int = 3) -> Callable[[], list[float]]:
+    """One call: `reps` read passes over buf -> GB/s each."""
+    ns = native.lib()
+
+    def sample():
+        secs = np.zeros(reps)
+        ns.bench_read(buf, buf.size, pool._pool, reps, secs)
+        return list(buf.size / secs / 1e9)
+    return sample
+
+
 def bandwidth(threads=None, mb: int = 512, rounds: int = 5, reps: int = 4) -> dict:
     """Read-only, copy and triad bandwidth (GB/s) against thread count; the read ceiling."""
     ns = native.lib()
     nbytes = mb << 20
-    buf = kernels.aligned_empty((nbytes,), np.uint8)
-    ns.fill_random(buf, nbytes, 1)
+    buf, _owner = read_buffer(nbytes)
     n = nbytes // 4 // 3                              # copy/triad: three arrays, same footprint
     a, b, c = (kernels.aligned_empty((n,), np.float32) for _ in range(3))
     for arr in (a, b, c):
@@ -96,7 +129,7 @@ def bandwidth(threads=None, mb: int = 512, rounds: int = 5, reps: int = 4) -> di
     rows = []
     for name, secs in samples.items():
         kind, t = name.split("/")
-        rates = [moved[kind] / s / 1e9 for s in secs]
+        rates = [moved[kind] / s / 1e9 for s in flat(secs)]
         st = summary(rates)
         rows.append({"kind": kind, "threads": int(t), "gbps": st["median"], "gbps_iqr": st["iqr"],
                      "gbps_q1": st["q1"], "gbps_q3": st["q3"], "n": st["n"]})
@@ -129,54 +162,66 @@ def _matmul_samples(W, acts, pool, path, chunk, reps):
     ns = native.lib()
     y = np.empty((acts.k, W.rows), np.float32)
     secs = np.zeros(reps)
-    rc = ns.bench_matmul(kernels.qmat(W), acts._acts, y, path, kernels._pool_ptr(pool), chunk, reps, secs)
+    rc = ns.bench_matmul(W.view(), acts._acts, y, path, kernels._pool_ptr(pool), chunk, reps, secs)
     if rc:
         raise RuntimeError(f"bench_matmul failed with code {rc}")
     return list(secs)
 
 
 def kernel_records(fmt: str, shape, ks, pool: kernels.Pool, working_set: str, path: int,
-                   peak_gmacs: float, read_gbps: float, rounds: int, reps: int, chunk: int = 0) -> list[dict]:
+                   peak_gmacs: float, rounds: int, reps: int, reader=None, chunk: int = 0) -> list[dict]:
+    """Times each k (interleaved); with `reader`, read-bandwidth samples ride in the same
+    rounds and each share of bandwidth is a paired ratio."""
     rows, cols = shape
-    W = kernels.random_qtensor(fmt, rows, cols, seed=rows)
+    W = kernels.pack(kernels.random_qtensor(fmt, rows, cols, seed=rows))
     rng = np.random.default_rng(0)
     acts = {k: kernels.Acts(rng.standard_normal((k, cols), dtype=np.float32), native.PATHS[path]) for k in ks}
-    cands = {k: (lambda a=acts[k]: _matmul_samples(W, a, pool, path, chunk, reps)) for k in ks}
+    cands = {k: (lambda a=acts[k]: [W.nbytes / s / 1e9 for s in _matmul_samples(W, a, pool, path, chunk, reps)])
+             for k in ks}
+    if reader:
+        cands["read"] = reader
     samples = interleave(cands, rounds)
     out = []
-    for k, secs in samples.items():
-        st = summary(secs)
-        t = st["median"]
-        gmacs = rows * cols * k / t / 1e9
-        gbps = W.nbytes / t / 1e9
+    for k in ks:
+        st = summary(flat(samples[k]))
+        gbps = st["median"]
+        t = W.nbytes / gbps / 1e9
+        share = paired_ratio(samples[k], samples["read"]) if reader else None
         out.append({
             "kernel": fmt, "k": k, "threads": pool.threads, "working_set": working_set,
             "rows": rows, "cols": cols, "weight_bytes": W.nbytes, "path": native.PATHS[path],
-            "ms": t * 1e3, "ms_iqr": st["iqr"] * 1e3, "ms_per_token": t * 1e3 / k,
-            "gmacs": gmacs, "gbps": gbps,
-            "share_of_bandwidth": gbps / read_gbps if read_gbps else None,
-            "share_of_peak": gmacs / (peak_gmacs * pool.threads) if peak_gmacs else None,
+            "ms": t * 1e3, "ms_per_token": t * 1e3 / k,
+            "gbps": gbps, "gbps_iqr": st["iqr"], "gmacs": rows * cols * k / t / 1e9,
+            "read_gbps": float(np.median(flat(samples["read"]))) if reader else None,
+            "share_of_bandwidth": share["median"] if share else None,
+            "share_of_bandwidth_iqr": share["iqr"] if share else None,
+            "share_of_peak": rows * cols * k / t / 1e9 / (peak_gmacs * pool.threads) if peak_gmacs else None,
         })
     return out
 
 
 def kernels_bench(ks=(1, 2, 4, 8, 16), fmts=("q4", "q8"), threads: int | None = None,
                   quick: bool = False, path: str | None = None) -> dict:
-    """GMAC/s and GB/s of each kernel for each k, against the read ceiling and issue peak
-    measured in the same run: DRAM-resident matrix at all threads, L2-resident at one."""
+    """GMAC/s and GB/s of each kernel for each k: a DRAM-resident matrix at all threads,
+    its read ceiling sampled in the same rounds; an L2-resident one at one thread against
+    the dot-product issue peak measured in the same run."""
     p = native.path_id(path)
     n = threads or len(os.sched_getaffinity(0))
-    bw = bandwidth(threads=[n], mb=256 if quick else 512, rounds=3 if quick else 5)
     peak = dot_peak(native.PATHS[p], iters=300_000 if quick else 2_000_000)
-    rounds, reps = (3, 2) if quick else (7, 3)
+    rounds, reps = (3, 2) if quick else (9, 3)
     pool_all, pool_one = kernels.Pool(n), kernels.Pool(1)
+    buf, _owner = read_buffer((64 if quick else 512) << 20)
+    reader = read_sampler(buf, pool_all)
+    reader()                                              # warm-up: page faults
     records = []
     for fmt in fmts:
         dram = (QUICK_DRAM_SHAPE if quick else DRAM_SHAPE)[fmt]
-        records += kernel_records(fmt, dram, ks, pool_all, "dram", p, peak["gmacs"], bw["read_gbps"], rounds, reps)
-        records += kernel_records(fmt, L2_SHAPE[fmt], ks, pool_one, "l2", p, peak["gmacs"], bw["read_gbps"],
-                                  rounds * 3, reps * 5)
+        records += kernel_records(fmt, dram, ks, pool_all, "dram", p, peak["gmacs"], rounds, reps, reader)
+        records += kernel_records(fmt, L2_SHAPE[fmt], ks, pool_one, "l2", p, peak["gmacs"], rounds * 3, reps * 5)
+    reads = [r["read_gbps"] for r in records if r["read_gbps"]]
+    for r in records:                                     # cache-resident: against the DRAM ceiling
+        if r["share_of_bandwidth"] is None:
+            r["share_of_bandwidth"] = r["gbps"] / float(np.median(reads))
     return {"machine": machine(), "path": native.PATHS[p], "threads": n,
-            "read_gbps": bw["read_gbps"], "read_gbps_iqr": bw["read_gbps_iqr"],
-            "dot_peak_gmacs": peak["gmacs"], "dot_peak_iqr": peak["gmacs_iqr"],
-            "results": records}
+            "read_gbps": float(np.median(reads)), "dot_peak_gmacs": peak["gmacs"],
+            "dot_peak_iqr": peak["gmacs_iqr"], "results": records}

@@ -53,9 +53,11 @@ def _print_kernels(r: dict) -> None:
     print(f"{'kernel':6s} {'set':4s} {'k':>3s} {'thr':>3s} {'ms':>9s} {'ms/tok':>9s} {'GMAC/s':>8s} "
           f"{'GB/s':>6s} {'%bw':>5s} {'%peak':>6s}")
     for x in r["results"]:
+        bw = f"{100 * x['share_of_bandwidth']:5.0f}"
         print(f"{x['kernel']:6s} {x['working_set']:4s} {x['k']:3d} {x['threads']:3d} {x['ms']:9.3f} "
-              f"{x['ms_per_token']:9.3f} {x['gmacs']:8.1f} {x['gbps']:6.1f} "
-              f"{100 * x['share_of_bandwidth']:5.0f} {100 * x['share_of_peak']:6.0f}")
+              f"{x['ms_per_token']:9.3f} {x['gmacs']:8.1f} {x['gbps']:6.1f} {bw} {100 * x['share_of_peak']:6.0f}")
+    print("%bw: of the read ceiling (DRAM rows: paired with read passes in the same rounds); "
+          "%peak: of the dot-product issue peak")
 
 
 def cmd_bench(args) -> int:

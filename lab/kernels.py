@@ -133,24 +133,48 @@ def qmat(W: QTensor):
     return native.lib().make_qmat(_FMT_ID[W.fmt], W.rows, W.cols, W.d, W.q)
 
 
-def matmul(W: QTensor, x, path: str | None = None, pool: Pool | None = None, chunk: int = 0,
+class Packed:
+    """A QTensor repacked for the kernels: tiles of 16 rows, one row per register lane."""
+
+    def __init__(self, W: QTensor):
+        ns = native.lib()
+        self._packed = ns.Packed()
+        rc = self._packed.pack(qmat(W))
+        if rc:
+            raise ValueError(f"cannot pack W: {_MM_ERRORS.get(rc, rc)}")
+        self.fmt, self.shape, self.nbytes = W.fmt, W.shape, W.nbytes
+        self.rows, self.cols = W.shape
+
+    def view(self):
+        return self._packed.view()
+
+
+def pack(W: QTensor) -> Packed:
+    return Packed(W)
+
+
+def matmul(W, x, path: str | None = None, pool: Pool | None = None, chunk: int = 0,
            out: np.ndarray | None = None) -> np.ndarray:
-    """y[t, r] = sum_c W[r, c] x[t, c] for k = 1..16 tokens in one pass over W -> [k, rows]."""
-    m = qmat(W)
+    """y[t, r] = sum_c W[r, c] x[t, c] for k = 1..16 tokens in one pass over W -> [k, rows].
+
+    W: a QTensor (packed on each call) or a Packed; x: float32 [k, cols] or an Acts.
+    chunk: 0 splits tiles of 16 rows statically over the pool, n > 0 hands out n tiles at a time.
+    """
+    Wp = W if isinstance(W, Packed) else Packed(W)
     acts = x if isinstance(x, Acts) else Acts(x, path)
     p = native.path_id(path)
-    if acts.cols != W.cols:
-        raise ValueError(f"x has {acts.cols} columns but W has shape {W.shape}")
+    if acts.cols != Wp.cols:
+        raise ValueError(f"x has {acts.cols} columns but W has shape {Wp.shape}")
     if not 1 <= acts.k <= MAX_K:
         raise ValueError(f"x holds k={acts.k} tokens: one pass takes 1 to {MAX_K}")
     if not isinstance(chunk, int) or chunk < 0:
-        raise ValueError(f"chunk must be 0 (static split) or a positive row count, got {chunk!r}")
+        raise ValueError(f"chunk must be 0 (static split) or a positive tile count, got {chunk!r}")
     if out is None:
-        out = np.empty((acts.k, W.rows), np.float32)
+        out = np.empty((acts.k, Wp.rows), np.float32)
     check_array(out, "out", np.float32, ndim=2)
-    if out.shape != (acts.k, W.rows):
-        raise ValueError(f"out has shape {out.shape}, needs {(acts.k, W.rows)}")
-    rc = native.lib().matmul(m, acts._acts, out, W.rows, p, _pool_ptr(pool), chunk)
+    if out.shape != (acts.k, Wp.rows):
+        raise ValueError(f"out has shape {out.shape}, needs {(acts.k, Wp.rows)}")
+    rc = native.lib().matmul(Wp.view(), acts._acts, out, Wp.rows, p, _pool_ptr(pool), chunk)
     if rc:
         raise ValueError(f"matmul: {_MM_ERRORS.get(rc, rc)}")
     return out

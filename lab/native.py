@@ -25,7 +25,7 @@ FLAGS = ["-O3", "-std=c++20", "-fPIC", "-shared", "-pthread", "-ffp-contract=off
          "-fno-fast-math", "-Wall", "-Wno-uninitialized", "-Wno-maybe-uninitialized"]
 PATHS = ("scalar", "avx2", "avxvnni", "avx512vnni", "vnni256evex")
 # Functions that run long enough to want the GIL released while they do.
-_RELEASE_GIL = ("matmul", "bench_read", "bench_copy", "bench_triad", "bench_dot_peak",
+_RELEASE_GIL = ("matmul", "Packed::pack", "bench_read", "bench_copy", "bench_triad", "bench_dot_peak",
                 "bench_matmul", "quantize_q8", "quantize_q4", "dequantize_q8", "dequantize_q4",
                 "fill_random")
 
@@ -113,8 +113,10 @@ def lib():
     cppyy.load_library(str(path))
     ns = cppyy.gbl.lab
     for name in _RELEASE_GIL:
-        for fn in (getattr(ns, name),):
-            fn.__release_gil__ = True
+        owner = ns
+        for part in name.split("::"):
+            owner = getattr(owner, part)
+        owner.__release_gil__ = True
     _check_forced_path(ns)
     return ns
 

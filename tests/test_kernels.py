@@ -161,5 +161,5 @@ def test_cpp_guards_without_python_checks(ns, W):
     """The C++ entry point refuses bad shapes on its own (for callers that skip lab.kernels)."""
     acts = kernels.Acts(np.ones((1, 96), np.float32))
     y = np.zeros((1, 8), np.float32)
-    assert ns.matmul(kernels.qmat(W), acts._acts, y, 8, 0, __import__("cppyy").nullptr, 0) == ns.MM_SHAPE
+    assert ns.matmul(kernels.pack(W).view(), acts._acts, y, 8, 0, __import__("cppyy").nullptr, 0) == ns.MM_SHAPE
     assert ns.QActs().quantize(np.ones(40, np.float32), 1, 40, 0, np.zeros(1, np.int64)) == ns.Q_BAD_SHAPE

@@ -1,0 +1,72 @@
+// pack.cpp — from the split layout (row after row) to the kernels' tiles of 16 rows.
+#include <sys/mman.h>
+
+#include <cstdlib>
+
+#include "formats.h"
+#include "lab.h"
+
+namespace lab {
+
+int64_t packed_scale_count(int rows, int cols) {
+    return (int64_t)(rows + TILE - 1) / TILE * TILE * (cols / QK);
+}
+
+int64_t packed_byte_count(int fmt, int rows, int cols) {
+    return packed_scale_count(rows, cols) * (fmt == FMT_Q4 ? Q4_BYTES : Q8_BYTES);
+}
+
+// Big matrices go on 2 MB pages where the kernel allows: a decode step walks every byte
+// once, and 4 KB pages would cost a TLB miss every 4 KB of it.
+void* alloc_huge(size_t bytes) {
+    constexpr size_t HUGE_PAGE = 2u << 20;
+    if (bytes < HUGE_PAGE) return std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    void* p = std::aligned_alloc(HUGE_PAGE, (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
+    if (p) madvise(p, bytes, MADV_HUGEPAGE);
+    return p;
+}
+
+Buffer::~Buffer() { std::free(p_); }
+
+Packed::Packed() = default;
+Packed::~Packed() { std::free(mem_); }
+
+int64_t Packed::nbytes() const {
+    return mem_ ? packed_scale_count(m_.rows, m_.cols) * 2 + packed_byte_count(m_.fmt, m_.rows, m_.cols) : 0;
+}
+
+int Packed::pack(const QMat& W) {
+    if (W.fmt != FMT_Q4 && W.fmt != FMT_Q8) return MM_BAD_FORMAT;
+    if (W.rows < 1 || W.cols < QK || W.cols % QK) return MM_SHAPE;
+    const int nb = W.cols / QK, tiles = (W.rows + TILE - 1) / TILE;
+    const int bpb = W.fmt == FMT_Q4 ? Q4_BYTES : Q8_BYTES, chunks = bpb / 4;
+    const int64_t ns = packed_scale_count(W.rows, W.cols), nq = packed_byte_count(W.fmt, W.rows, W.cols);
+    const int64_t dbytes = (ns * 2 + 63) / 64 * 64;
+    std::free(mem_);
+    mem_ = alloc_huge((size_t)(dbytes + (nq + 63) / 64 * 64));
+    uint16_t* d = (uint16_t*)mem_;
+    uint8_t* q = (uint8_t*)mem_ + dbytes;
+    const uint8_t flip = W.fmt == FMT_Q8 ? 0x80 : 0;   // q8 bytes enter vpdpbusd unsigned
+    for (int t = 0; t < tiles; t++) {
+        for (int b = 0; b < nb; b++) {
+            const int64_t tb = (int64_t)t * nb + b;
+            for (int i = 0; i < TILE; i++) {
+                const int r = t * TILE + i;
+                uint8_t* dst = q + tb * chunks * 64 + i * 4;
+                if (r >= W.rows) {
+                    d[tb * TILE + i] = 0;
+                    for (int c = 0; c < chunks; c++) std::memset(dst + c * 64, flip, 4);
+                    continue;
+                }
+                d[tb * TILE + i] = W.d[(int64_t)r * nb + b];
+                const uint8_t* src = W.q + ((int64_t)r * nb + b) * bpb;
+                for (int c = 0; c < chunks; c++)
+                    for (int j = 0; j < 4; j++) dst[c * 64 + j] = src[c * 4 + j] ^ flip;
+            }
+        }
+    }
+    m_ = PackedMat{W.fmt, W.rows, W.cols, tiles, d, q};
+    return MM_OK;
+}
+
+}  // namespace lab
