@@ -89,3 +89,33 @@ def test_cpu_report():
     assert "scalar" in info["supported_paths"]
     if info["flags"]["avx2"] and info["flags"]["fma"] and info["flags"]["f16c"]:
         assert "avx2" in info["supported_paths"]
+
+
+def test_no_avx2_message(monkeypatch):
+    monkeypatch.setattr(native, "supported_paths", lambda: ["scalar"])
+    assert "lacks AVX2" in native.warn_if_slow()
+    monkeypatch.setattr(native, "supported_paths", lambda: ["scalar", "avx2"])
+    assert native.warn_if_slow() is None
+
+
+def test_gil_released_while_cpp_runs():
+    """A kernel call on one thread does not stop Python on another."""
+    import threading
+    import numpy as np
+    from lab import kernels
+    W = kernels.pack(kernels.random_qtensor("q4", 4096, 4096))
+    x = np.ones((16, 4096), np.float32)
+    ticks, done = [], threading.Event()
+
+    def run():
+        for _ in range(20):
+            kernels.matmul(W, x)
+        done.set()
+
+    t = threading.Thread(target=run)
+    t.start()
+    while not done.is_set():
+        ticks.append(1)
+        time.sleep(0.001)
+    t.join()
+    assert len(ticks) > 5
