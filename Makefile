@@ -40,7 +40,7 @@ report: native
 	  _print_bandwidth(json.load(open("$(OUT)/bandwidth.json"))); _print_kernels(json.load(open("$(OUT)/kernels.json")))'
 
 lab: setup
-	$(VENV)/bin/jupyter lab --notebook-dir=notebooks
+	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(JUPYTER_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
