@@ -176,6 +176,62 @@ int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path,
            ThreadPool* pool, int chunk);
 
 // ----------------------------------------------------------------------------
+// The engine's weights file (written by lab/models/export.py), memory-mapped read-only
+// ----------------------------------------------------------------------------
+
+enum Arch : uint32_t { ARCH_QWEN3 = 1, ARCH_QWEN2 = 2, ARCH_LLAMA = 3 };
+constexpr uint32_t MODEL_FILE_VERSION = 1;
+
+struct FileHeader {                 // 256 bytes at offset 0, little endian
+    char magic[8];                  // "LABMODEL"
+    uint32_t version;               // MODEL_FILE_VERSION
+    uint32_t arch;                  // Arch
+    uint32_t vocab_size, hidden_size, intermediate_size, num_layers;
+    uint32_t num_heads, num_kv_heads, head_dim, tokenizer_size;
+    uint32_t max_position, tie_embeddings, qk_norm, qkv_bias;
+    uint32_t n_eos;
+    int32_t eos[4];
+    uint32_t n_tensors;
+    double rope_theta, rms_eps;
+    uint64_t dir_offset;            // n_tensors TensorEntry
+    uint64_t meta_offset, meta_size;    // JSON for Python (source, scheme, tokenizer); C++ ignores it
+    uint64_t data_offset, data_size;    // every tensor lies in here, 64-byte aligned
+    uint8_t content_sha256[32];     // of the data region
+    uint8_t reserved[80];
+};
+
+struct TensorEntry {                // 128 bytes
+    char name[80];                  // nul-terminated
+    uint32_t fmt;                   // Format
+    uint32_t ndim;                  // 1 or 2
+    uint64_t rows, cols;            // 1-D tensors: rows = 1
+    uint64_t offset;                // absolute; scales region first for q8/q4 (packed tiles)
+    uint64_t scales_bytes;          // 0 for f32
+    uint64_t data_bytes;            // the bytes region (f32: 4 * rows * cols)
+};
+
+class ModelFile {
+public:
+    ModelFile();
+    ~ModelFile();
+    ModelFile(const ModelFile&) = delete;
+    ModelFile& operator=(const ModelFile&) = delete;
+    bool open(const char* path);    // false: error() says what is wrong
+    const char* error() const { return err_; }
+    const FileHeader* header() const { return (const FileHeader*)base_; }
+    const TensorEntry* find(const char* name) const;   // nullptr when absent
+    const TensorEntry* tensor(int i) const;
+    const uint8_t* data(const TensorEntry* e) const { return base_ + e->offset; }
+    PackedMat matrix(const TensorEntry* e) const;      // q8/q4 tensors as the kernels see them
+    int64_t size() const { return size_; }
+private:
+    bool fail(const char* fmt, ...);
+    const uint8_t* base_ = nullptr;
+    int64_t size_ = 0;
+    char err_[512] = {0};
+};
+
+// ----------------------------------------------------------------------------
 // Benchmarks (timings in seconds, one per repeat)
 // ----------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """The `lab` command.
 
   lab info                       this CPU, its kernel paths, and the native build
+  lab models list|fetch NAME     the models the lab knows; get one into the cache
   lab bench bandwidth [--json]   read (and copy/triad) bandwidth against thread count
   lab bench kernels [--json]     each kernel and k against the read ceiling and issue peak
 """
@@ -76,6 +77,25 @@ def cmd_bench(args) -> int:
     return 0
 
 
+def cmd_models(args) -> int:
+    from .models import registry
+    if args.action == "list":
+        rows = [registry.status(n) for n in registry.REGISTRY]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+            return 0
+        print(f"cache: {registry.models_dir()}")
+        for r in rows:
+            size = f"{r['size'] / 1e6:9.1f} MB" if r["size"] else " " * 12
+            state = "present" if r["present"] else "absent"
+            check = " sha256 ok" if r["verified"] else ""
+            print(f"{r['name']:20s} {state:8s}{size}{check}  {r['description']}")
+        return 0
+    for name in args.names:
+        print(f"{name}: {registry.fetch(name)}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lab", description="Speculative decoding on a CPU: the lab's command.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -83,6 +103,12 @@ def parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="this CPU, its kernel paths and the native build")
     info.add_argument("--json", action="store_true")
     info.set_defaults(fn=cmd_info)
+
+    m = sub.add_parser("models", help="the models the lab knows: list, fetch")
+    m.add_argument("action", choices=["list", "fetch"])
+    m.add_argument("names", nargs="*", help="models to fetch")
+    m.add_argument("--json", action="store_true")
+    m.set_defaults(fn=cmd_models)
 
     b = sub.add_parser("bench", help="quick measurements, JSON out")
     b.add_argument("what", choices=["bandwidth", "kernels"])

@@ -164,3 +164,39 @@ def quantize(x: np.ndarray, fmt: str, name: str = "x") -> QTensor:
     rows, nb = x.shape[0], x.shape[1] // QK
     return QTensor(fmt, tuple(x.shape), aligned_copy(d.reshape(rows, nb)),
                    aligned_copy(q.view(np.uint8).reshape(rows, nb * BYTES_PER_BLOCK[fmt])))
+
+
+# ----------------------------------------------------------------------------
+# The kernels' tile layout (kernels_cpp/lab.h, PackedMat): 16 rows per tile
+# ----------------------------------------------------------------------------
+
+TILE = 16
+
+
+def pack_tiles(W: QTensor) -> tuple[np.ndarray, np.ndarray]:
+    """Split layout -> (scales [tiles, nb, 16] uint16, bytes [tiles, nb, chunks, 16, 4] uint8),
+    byte for byte what the C++ Packed holds: rows padded with zeros, q8 bytes stored + 128."""
+    rows, nb = W.d.shape
+    tiles = -(-rows // TILE)
+    chunks = BYTES_PER_BLOCK[W.fmt] // 4
+    d = np.zeros((tiles * TILE, nb), np.uint16)
+    d[:rows] = W.d
+    q = np.zeros((tiles * TILE, nb * chunks * 4), np.uint8)
+    q[:rows] = W.q
+    if W.fmt == "q8":
+        q ^= 0x80
+    d = d.reshape(tiles, TILE, nb).transpose(0, 2, 1)
+    q = q.reshape(tiles, TILE, nb, chunks, 4).transpose(0, 2, 3, 1, 4)
+    return np.ascontiguousarray(d), np.ascontiguousarray(q)
+
+
+def unpack_tiles(fmt: str, shape: tuple[int, int], d: np.ndarray, q: np.ndarray) -> QTensor:
+    """The inverse of pack_tiles."""
+    rows, cols = shape
+    nb, chunks = cols // QK, BYTES_PER_BLOCK[fmt] // 4
+    tiles = -(-rows // TILE)
+    d = d.reshape(tiles, nb, TILE).transpose(0, 2, 1).reshape(tiles * TILE, nb)[:rows]
+    q = q.reshape(tiles, nb, chunks, TILE, 4).transpose(0, 3, 1, 2, 4).reshape(tiles * TILE, -1)[:rows]
+    if fmt == "q8":
+        q = q ^ 0x80
+    return QTensor(fmt, (rows, cols), aligned_copy(d), aligned_copy(q.astype(np.uint8)))

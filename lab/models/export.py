@@ -1,0 +1,203 @@
+"""The engine's weights file: write it from a model, read it back, check its hash.
+
+Layout (kernels_cpp/lab.h, FileHeader and TensorEntry): a 256-byte header with the
+architecture, a directory of 128-byte tensor entries, a JSON blob for Python, then a
+64-byte-aligned data region. Each quantized tensor is its scales region then its bytes
+region, both in the kernels' tile layout, so the engine maps the file and runs on it
+as is. q/k/v are fused into one matrix, and gate/up into another.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import formats
+from ..errors import LabError
+from .config import ModelConfig
+from .twin import quantize_weights
+
+MAGIC = b"LABMODEL"
+VERSION = 1
+ARCH_ID = {"qwen3": 1, "qwen2": 2, "llama": 3}
+FMT_ID = {"f32": 0, "q8": 1, "q4": 2}
+HEADER = struct.Struct("<8sII12II4iIddQQQQQ32s80s")
+ENTRY = struct.Struct("<80sIIQQQQQ")
+assert HEADER.size == 256 and ENTRY.size == 128
+
+
+class ModelFileError(LabError):
+    """A weights file that is not what the engine expects."""
+
+
+def _align(n: int, a: int = 64) -> int:
+    return -(-n // a) * a
+
+
+def _cat_rows(parts):
+    if all(isinstance(p, formats.QTensor) for p in parts):
+        fmt = parts[0].fmt
+        d = np.concatenate([p.d for p in parts])
+        q = np.concatenate([p.q for p in parts])
+        return formats.QTensor(fmt, (d.shape[0], parts[0].cols), formats.aligned_copy(d), formats.aligned_copy(q))
+    return torch.cat([p if isinstance(p, torch.Tensor) else torch.from_numpy(p.dequantize()) for p in parts])
+
+
+def engine_tensors(config: ModelConfig, weights: dict, scheme: str) -> dict:
+    """Weights under the engine's names, fused, each a QTensor or an fp32 tensor."""
+    c = config
+    if c.tie_embeddings or "lm_head.weight" not in weights:
+        weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
+    qw = quantize_weights(weights, scheme)
+    out = {"embed": qw["lm_head.weight"] if c.tie_embeddings else qw["model.embed_tokens.weight"],
+           "norm": qw["model.norm.weight"]}
+    if not c.tie_embeddings:
+        out["output"] = qw["lm_head.weight"]
+    for i in range(c.num_layers):
+        p, e = f"model.layers.{i}.", f"layers.{i}."
+        out[e + "attn_norm"] = qw[p + "input_layernorm.weight"]
+        out[e + "ffn_norm"] = qw[p + "post_attention_layernorm.weight"]
+        out[e + "qkv"] = _cat_rows([qw[p + f"self_attn.{x}_proj.weight"] for x in "qkv"])
+        if c.qkv_bias:
+            out[e + "qkv_bias"] = torch.cat([qw[p + f"self_attn.{x}_proj.bias"] for x in "qkv"])
+        if c.qk_norm:
+            out[e + "q_norm"] = qw[p + "self_attn.q_norm.weight"]
+            out[e + "k_norm"] = qw[p + "self_attn.k_norm.weight"]
+        out[e + "o"] = qw[p + "self_attn.o_proj.weight"]
+        out[e + "gate_up"] = _cat_rows([qw[p + "mlp.gate_proj.weight"], qw[p + "mlp.up_proj.weight"]])
+        out[e + "down"] = qw[p + "mlp.down_proj.weight"]
+    return out
+
+
+def _regions(t) -> tuple[int, list[bytes], tuple[int, int], int]:
+    """-> (format id, [scales, bytes] or [floats], (rows, cols), ndim)."""
+    if isinstance(t, formats.QTensor):
+        d, q = formats.pack_tiles(t)
+        return FMT_ID[t.fmt], [d.tobytes(), q.tobytes()], t.shape, 2
+    a = np.ascontiguousarray(t, np.float32) if isinstance(t, np.ndarray) else t.detach().float().contiguous().numpy()
+    shape = (1, a.shape[0]) if a.ndim == 1 else a.shape
+    return 0, [a.astype("<f4").tobytes()], shape, a.ndim
+
+
+def export(config: ModelConfig, weights: dict, path: str | Path, scheme: str = "q4-q8out",
+           meta: dict | None = None) -> Path:
+    """Quantizes Hugging Face-named weights under `scheme` and writes the engine's file."""
+    return write(config, engine_tensors(config, weights, scheme), path, {"scheme": scheme, **(meta or {})})
+
+
+def write(config: ModelConfig, tensors: dict, path: str | Path, meta: dict | None = None) -> Path:
+    """Writes engine-named tensors (beside the target first, then renamed) -> the path."""
+    path = Path(path)
+    meta_blob = json.dumps({**(meta or {}), "config": json.loads(config.to_json())}, sort_keys=True).encode()
+    n = len(tensors)
+    dir_offset = HEADER.size
+    meta_offset = dir_offset + n * ENTRY.size
+    data_offset = _align(meta_offset + len(meta_blob))
+    entries, chunks, off = [], [], data_offset
+    for name, t in tensors.items():
+        if len(name.encode()) >= 80:
+            raise ValueError(f"tensor name {name!r} is too long for the file's 80-byte field")
+        fmt, regions, (rows, cols), ndim = _regions(t)
+        start = off
+        scales = len(regions[0]) if fmt else 0
+        for r in regions:
+            chunks.append((off, r))
+            off = _align(off + len(r))
+        data = len(regions[-1])
+        entries.append(ENTRY.pack(name.encode(), fmt, ndim, rows, cols, start, scales, data))
+    data_size = off - data_offset
+    h = hashlib.sha256()
+    tmp = path.with_name(path.name + ".partial")
+    with open(tmp, "wb") as f:
+        f.write(b"\0" * data_offset)
+        for start, blob in chunks:
+            f.seek(start)
+            f.write(blob)
+        f.truncate(data_offset + data_size)
+    with open(tmp, "rb") as f:
+        f.seek(data_offset)
+        while block := f.read(1 << 24):
+            h.update(block)
+    c = config
+    eos = (list(c.eos_ids) + [-1] * 4)[:4]
+    header = HEADER.pack(MAGIC, VERSION, ARCH_ID[c.arch], c.vocab_size, c.hidden_size, c.intermediate_size,
+                         c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.tokenizer_size, c.max_position,
+                         int(c.tie_embeddings), int(c.qk_norm), int(c.qkv_bias), min(len(c.eos_ids), 4), *eos,
+                         n, c.rope_theta, c.rms_eps, dir_offset, meta_offset, len(meta_blob), data_offset,
+                         data_size, h.digest(), b"")
+    with open(tmp, "r+b") as f:
+        f.write(header)
+        f.write(b"".join(entries))
+        f.write(meta_blob)
+    os.replace(tmp, path)
+    return path
+
+
+@dataclass
+class ModelFile:
+    path: Path
+    header: dict
+    config: ModelConfig
+    meta: dict
+    tensors: dict          # name -> QTensor (split layout) or np.ndarray (fp32)
+
+
+def read(path: str | Path) -> ModelFile:
+    """Reads a weights file back (quantized tensors unpacked to the split layout)."""
+    path = Path(path)
+    raw = path.read_bytes()
+    if len(raw) < HEADER.size or raw[:8] != MAGIC:
+        raise ModelFileError(f"{path} is not a lab model file")
+    f = HEADER.unpack_from(raw)
+    keys = ("magic version arch vocab_size hidden_size intermediate_size num_layers num_heads num_kv_heads "
+            "head_dim tokenizer_size max_position tie_embeddings qk_norm qkv_bias n_eos e0 e1 e2 e3 n_tensors "
+            "rope_theta rms_eps dir_offset meta_offset meta_size data_offset data_size sha256 reserved").split()
+    hd = dict(zip(keys, f))
+    if hd["version"] != VERSION:
+        raise ModelFileError(f"{path} is version {hd['version']}; this lab reads {VERSION}")
+    meta = json.loads(raw[hd["meta_offset"]:hd["meta_offset"] + hd["meta_size"]])
+    config = ModelConfig(**meta["config"])
+    tensors = {}
+    for i in range(hd["n_tensors"]):
+        name, fmt, ndim, rows, cols, off, sb, db = ENTRY.unpack_from(raw, hd["dir_offset"] + i * ENTRY.size)
+        name = name.rstrip(b"\0").decode()
+        if fmt == 0:
+            a = np.frombuffer(raw, "<f4", rows * cols, off).reshape((cols,) if ndim == 1 else (rows, cols))
+            tensors[name] = a.copy()
+        else:
+            fname = {1: "q8", 2: "q4"}[fmt]
+            d = np.frombuffer(raw, np.uint16, sb // 2, off)
+            q = np.frombuffer(raw, np.uint8, db, off + _align(sb))
+            tensors[name] = formats.unpack_tiles(fname, (rows, cols), d, q)
+    return ModelFile(path, hd, config, meta, tensors)
+
+
+def verify(path: str | Path) -> str:
+    """Recomputes the data region's sha256; raises if it differs from the header's."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        hd = HEADER.unpack(f.read(HEADER.size))
+        data_offset, data_size, want = hd[-4], hd[-3], hd[-2]
+        f.seek(data_offset)
+        h, left = hashlib.sha256(), data_size
+        while left > 0 and (block := f.read(min(1 << 24, left))):
+            h.update(block)
+            left -= len(block)
+    if h.digest() != want:
+        raise ModelFileError(f"{path}: content hash mismatch: header says {want.hex()}, data is {h.hexdigest()}")
+    return want.hex()
+
+
+def open_native(path: str | Path):
+    """The C++ side's view of a file (memory-mapped, header checked) -> lab::ModelFile."""
+    from .. import native
+    mf = native.lib().ModelFile()
+    if not mf.open(str(path)):
+        raise ModelFileError(str(mf.error()))
+    return mf

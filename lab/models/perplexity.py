@@ -1,0 +1,47 @@
+"""Perplexity over a text corpus in fixed, non-overlapping windows."""
+from __future__ import annotations
+
+import math
+import sysconfig
+from pathlib import Path
+
+import torch
+
+# A code corpus every machine has: modules of Python's own standard library, in this order.
+STDLIB_FILES = ("textwrap.py", "argparse.py", "json/decoder.py", "json/encoder.py", "shlex.py",
+                "fnmatch.py", "statistics.py", "heapq.py", "bisect.py", "string.py")
+
+
+def stdlib_text(max_chars: int | None = None) -> str:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    text = "\n\n".join((root / f).read_text() for f in STDLIB_FILES)
+    return text[:max_chars] if max_chars else text
+
+
+def windows(ids: list[int], window: int, count: int | None = None) -> list[list[int]]:
+    out = [ids[s:s + window] for s in range(0, len(ids) - window + 1, window)]
+    return out[:count] if count else out
+
+
+@torch.no_grad()
+def nll(model, window: list[int]) -> tuple[float, int]:
+    """Summed negative log-likelihood of tokens 1.. of a window given what precedes them."""
+    model.reset()
+    logits = model.forward(window)[:-1, :model.config.tokenizer_size]
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    target = torch.tensor(window[1:])
+    return float(-logp[torch.arange(len(target)), target].sum()), len(target)
+
+
+def perplexity(model, ids: list[int], window: int = 256, count: int | None = None, progress: bool = False) -> float:
+    ws = windows(ids, window, count)
+    if not ws:
+        raise ValueError(f"the corpus has {len(ids)} tokens, fewer than one window of {window}")
+    if progress:
+        from tqdm.auto import tqdm
+        ws = tqdm(ws, desc="perplexity", unit="window")
+    total, n = 0.0, 0
+    for w in ws:
+        s, k = nll(model, w)
+        total, n = total + s, n + k
+    return math.exp(total / n)

@@ -1,0 +1,80 @@
+"""The quantization twin: the reference with weights in the lab's block formats,
+activations fake-quantized to 8-bit blocks at every matmul input, and the KV cache
+rounded to fp16 — so PyTorch predicts what the engine computes (SCIENCE.md §3: closely,
+never elementwise)."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .. import formats
+from .config import ModelConfig
+from .reference import Reference
+
+SCHEMES = ("f32", "q8", "q4", "q4-q8out")
+
+
+def tensor_format(name: str, scheme: str) -> str:
+    """The format a weight takes under a scheme: 1-D tensors stay f32; the output layer
+    (and the embedding it may share) is q8 under q4-q8out."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"scheme={scheme!r}: choose one of {', '.join(SCHEMES)}")
+    if not name.endswith(".weight") or any(s in name for s in ("norm.", "layernorm")):
+        return "f32"
+    if name in ("lm_head.weight", "model.embed_tokens.weight"):
+        return "q8" if scheme == "q4-q8out" else scheme
+    return "q4" if scheme == "q4-q8out" else scheme
+
+
+def round_away_t(v: torch.Tensor) -> torch.Tensor:
+    t = torch.trunc(v)
+    return t + torch.where((v - t).abs() >= 0.5, torch.sign(v), torch.zeros_like(v))
+
+
+def quantize_acts_t(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """8-bit activation blocks along the last axis -> (q [..., nb, 32] int8, d [..., nb] fp32);
+    the same bytes as lab.formats.quantize_acts and the C++ quantizer."""
+    xb = x.float().reshape(*x.shape[:-1], -1, formats.QK)
+    d = xb.abs().amax(-1) / 127.0
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    q = torch.clamp(round_away_t(xb / safe[..., None]), -127, 127)
+    q = torch.where(d[..., None] == 0, torch.zeros_like(q), q)
+    return q.to(torch.int8), d
+
+
+def fake_quant(x: torch.Tensor) -> torch.Tensor:
+    q, d = quantize_acts_t(x)
+    return (q.float() * d[..., None]).reshape(x.shape)
+
+
+def quantize_weights(weights: dict[str, torch.Tensor], scheme: str) -> dict[str, formats.QTensor | torch.Tensor]:
+    """Each weight in its scheme's format: QTensor for q8/q4, the fp32 tensor otherwise."""
+    out = {}
+    for name, w in weights.items():
+        fmt = tensor_format(name, scheme)
+        out[name] = w.float() if fmt == "f32" else formats.quantize(
+            np.ascontiguousarray(w.float().numpy()), fmt, name)
+    return out
+
+
+class Twin(Reference):
+    def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], scheme: str = "q4-q8out",
+                 max_context: int = 2048):
+        if config.tie_embeddings or "lm_head.weight" not in weights:
+            weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
+        self.scheme = scheme
+        self.quantized = quantize_weights(weights, scheme)
+        deq = {n: (torch.from_numpy(q.dequantize()) if isinstance(q, formats.QTensor) else q)
+               for n, q in self.quantized.items()}
+        if config.tie_embeddings:       # one tensor serves both ends, in the output layer's format
+            deq["model.embed_tokens.weight"] = deq["lm_head.weight"]
+        super().__init__(config, deq, max_context)
+        self.quantized_names = {n for n, q in self.quantized.items() if isinstance(q, formats.QTensor)}
+
+    def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if name + ".weight" in self.quantized_names:
+            x = fake_quant(x)
+        return super().linear(x, name)
+
+    def store_kv(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        super().store_kv(layer, pos, k.half().float(), v.half().float())
