@@ -232,6 +232,101 @@ private:
 };
 
 // ----------------------------------------------------------------------------
+// The engine: a model's forward pass over k tokens, sampling, and the round loop
+// ----------------------------------------------------------------------------
+
+enum EngineStatus : int {
+    E_OK = 0, E_CONTEXT = 1, E_TOKEN = 2, E_EMPTY = 3, E_GAMMA = 4, E_VOCAB = 5, E_NOT_LOADED = 6,
+    E_MISSING = 7, E_PATH = 8, E_NONFINITE = 9
+};
+
+enum LogitsMode : int { LOGITS_NONE = 0, LOGITS_LAST = 1, LOGITS_ALL = 2 };
+
+class Model {
+public:
+    Model();
+    ~Model();
+    Model(const Model&) = delete;
+    Model& operator=(const Model&) = delete;
+    bool load(const char* path, int max_context);    // false: error() says why
+    const char* error() const;
+    const FileHeader& config() const;
+    int max_context() const;
+    int vocab() const;                               // logits per position: the tokenizer's size
+    int64_t weight_bytes() const;                    // bytes one forward pass reads
+    // Runs tokens[0..k) at positions pos..pos+k-1 (in chunks of up to 16), leaving them in
+    // the KV cache. logits: [k][vocab] (LOGITS_ALL) or [vocab] (LOGITS_LAST); hidden, if
+    // given: [layers][k][hidden_size] after every layer. Returns an EngineStatus.
+    int forward(const int32_t* tokens, int k, int pos, float* logits, int mode, float* hidden,
+                ThreadPool* pool, int path);
+    struct Impl;
+private:
+    Impl* impl_;
+};
+
+struct SampleParams {
+    float temperature = 0.f;         // 0: greedy
+    int top_k = 0;                   // 0: off
+    float top_p = 1.f;               // 1: off
+};
+
+// Warps logits[n] into probabilities (temperature, top-k, top-p); greedy puts all mass on
+// the argmax. The distribution every sample and every acceptance test uses.
+void warp(const float* logits, int n, const SampleParams& sp, float* probs);
+
+struct Rng {                         // xoshiro256**, seeded through splitmix64
+    uint64_t s[4];
+    explicit Rng(uint64_t seed = 0);
+    uint64_t next();
+    double uniform();                // [0, 1)
+};
+int sample(const float* probs, int n, Rng& rng);
+
+// SCIENCE.md §3: accept draft token x with probability min(1, p(x)/q(x)); on rejection
+// draw from max(0, p - q) renormalised. Returns x when accepted, else the resampled token;
+// *accepted says which.
+int accept_or_resample(const float* p, const float* q, int n, int x, Rng& rng, bool* accepted);
+
+enum GenMode : int { GEN_PLAIN = 0, GEN_DRAFT = 1, GEN_LOOKUP = 2 };
+
+struct GenParams {
+    int mode = GEN_PLAIN;
+    int max_new_tokens = 128;
+    int gamma = 4;                   // guesses per round, 1..16 (the pass verifies gamma + 1)
+    float threshold = 0.f;           // draft stops early when its top probability falls below
+    int ngram_max = 3;               // prompt lookup: longest n-gram matched
+    SampleParams sample;
+    uint64_t seed = 0;
+    int n_eos = 0;
+    int32_t eos[4] = {-1, -1, -1, -1};
+};
+
+struct GenStats {
+    int prompt_tokens = 0, new_tokens = 0, rounds = 0, drafted = 0, accepted = 0;
+    double t_prompt = 0, t_draft = 0, t_verify = 0, t_sample = 0, t_total = 0;
+    int stopped_on_eos = 0;
+};
+
+class Generator {
+public:
+    Generator(Model* target, Model* draft, ThreadPool* pool, int path);
+    // Generates into out[0..max_new_tokens); per round, drafted[r] and accepted[r] (up to
+    // max_rounds). Returns an EngineStatus; stats() tells the rest.
+    int run(const int32_t* prompt, int n_prompt, const GenParams& gp, int32_t* out,
+            int32_t* drafted, int32_t* accepted, int max_rounds);
+    int produced() const;            // tokens written so far (for streaming from another thread)
+    const GenStats& stats() const { return stats_; }
+private:
+    int emit(int32_t tok, int32_t* out, const GenParams& gp);
+    Model* target_;
+    Model* draft_;
+    ThreadPool* pool_;
+    int path_;
+    GenStats stats_;
+    volatile int produced_ = 0;
+};
+
+// ----------------------------------------------------------------------------
 // Benchmarks (timings in seconds, one per repeat)
 // ----------------------------------------------------------------------------
 

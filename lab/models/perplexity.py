@@ -45,3 +45,38 @@ def perplexity(model, ids: list[int], window: int = 256, count: int | None = Non
         s, k = nll(model, w)
         total, n = total + s, n + k
     return math.exp(total / n)
+
+
+VARIANTS = ("f32", "q8", "q4", "q4-q8out", "twin-q8", "twin-q4-q8out")
+
+
+def build(variant: str, config, weights, max_context: int = 2048):
+    """f32: the reference; q8/q4/q4-q8out: the reference on quantized weights only;
+    twin-*: the full twin (weights, 8-bit activations, fp16 KV cache)."""
+    from .reference import Reference
+    from .twin import SCHEMES, Twin, quantize_weights
+    if variant == "f32":
+        return Reference(config, weights, max_context)
+    if variant.startswith("twin-"):
+        return Twin(config, weights, variant[5:], max_context)
+    if variant not in SCHEMES:
+        raise ValueError(f"variant={variant!r}: choose from {', '.join(VARIANTS)}")
+    if config.tie_embeddings:
+        weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
+    deq = {n: (torch.from_numpy(q.dequantize()) if hasattr(q, "dequantize") else q)
+           for n, q in quantize_weights(weights, variant).items()}
+    if config.tie_embeddings:
+        deq["model.embed_tokens.weight"] = deq["lm_head.weight"]
+    return Reference(config, deq, max_context)
+
+
+def table(config, weights, ids: list[int], variants=VARIANTS, window: int = 256, count: int | None = None,
+          progress: bool = False) -> list[dict]:
+    """Perplexity of each variant over the same windows; one model in memory at a time."""
+    rows = []
+    for v in variants:
+        model = build(v, config, weights, max_context=window)
+        rows.append({"variant": v, "perplexity": perplexity(model, ids, window, count, progress),
+                     "window": window, "windows": len(windows(ids, window, count))})
+        del model
+    return rows

@@ -1,0 +1,394 @@
+// model.cpp — one model's forward pass over k tokens at a position, from the engine's
+// weights file: embedding, RMSNorm, fused qkv, q/k norms (Qwen3), RoPE, grouped-query
+// attention over an fp16 KV cache laid out [layer][kv_head][position][head_dim], fused
+// gate/up, SiLU, down, and the output layer (only the tokenizer's rows).
+//
+// Every step treats each token alike whatever k is — the same kernels, summation order
+// and split over threads — so a k-token pass equals k single-token passes bit for bit.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "formats.h"
+#include "lab.h"
+#include "threadpool.h"
+
+namespace lab {
+
+// ============================================================================
+// Small vector helpers: a scalar reference and an AVX2 version each
+// ============================================================================
+
+namespace {
+
+struct Vec {
+    float (*dot)(const float*, const float*, int);
+    void (*axpy)(float, const float*, float*, int);
+    void (*f16_to_f32)(const uint16_t*, float*, int);
+};
+
+float dot_scalar(const float* a, const float* b, int n) {
+    float s[8] = {0};
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) s[j] = std::fmaf(a[i + j], b[i + j], s[j]);
+    for (; i < n; i++) s[0] = std::fmaf(a[i], b[i], s[0]);
+    return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
+void axpy_scalar(float a, const float* x, float* y, int n) {
+    for (int i = 0; i < n; i++) y[i] = std::fmaf(a, x[i], y[i]);
+}
+
+void f16_scalar(const uint16_t* h, float* f, int n) {
+    for (int i = 0; i < n; i++) f[i] = fp16_to_fp32(h[i]);
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+// Same order as dot_scalar: eight lanes, the same tree at the end.
+float dot_avx2(const float* a, const float* b, int n) {
+    __m256 s = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
+    alignas(32) float l[8];
+    _mm256_store_ps(l, s);
+    for (; i < n; i++) l[0] = std::fmaf(a[i], b[i], l[0]);
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+void axpy_avx2(float a, const float* x, float* y, int n) {
+    const __m256 va = _mm256_set1_ps(a);
+    int i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+    for (; i < n; i++) y[i] = std::fmaf(a, x[i], y[i]);
+}
+
+void f16_avx2(const uint16_t* h, float* f, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+    for (; i < n; i++) f[i] = fp16_to_fp32(h[i]);
+}
+#pragma GCC pop_options
+
+Vec vec_for(int path) {
+    if (path == PATH_SCALAR) return {dot_scalar, axpy_scalar, f16_scalar};
+    return {dot_avx2, axpy_avx2, f16_avx2};
+}
+
+void rms_norm(const float* x, const float* w, int n, float eps, float* out) {
+    double ss = 0;
+    for (int i = 0; i < n; i++) ss += (double)x[i] * x[i];
+    const float r = 1.0f / std::sqrt((float)(ss / n) + eps);
+    for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+}
+
+}  // namespace
+
+// ============================================================================
+// Weights as the model sees them
+// ============================================================================
+
+struct Mat {
+    int fmt = -1, rows = 0, cols = 0;
+    PackedMat pm{};
+    const float* f32 = nullptr;
+};
+
+struct Layer {
+    const float *attn_norm = nullptr, *ffn_norm = nullptr, *q_norm = nullptr, *k_norm = nullptr,
+                *qkv_bias = nullptr;
+    Mat qkv, o, gate_up, down;
+};
+
+struct Model::Impl {
+    ModelFile file;
+    FileHeader h{};
+    std::string err;
+    int max_ctx = 0, vocab = 0, q_dim = 0, kv_dim = 0, qkv_rows = 0;
+    const float* norm = nullptr;
+    Mat embed, output;
+    std::vector<Layer> layers;
+    std::vector<uint16_t> kcache, vcache;
+    std::vector<float> cos_t, sin_t;
+    std::vector<float> x, xn, qkv, att, gu, hb, tmp, logits_tmp;
+    std::vector<float> scratch;        // per thread: scores [group][ctx] + a K/V row
+    QActs acts;
+    bool loaded = false;
+
+    bool fail(const std::string& m) { err = m; return false; }
+    bool bind(const char* name, Mat& m, int rows, int cols);
+    bool bind(const char* name, const float*& p, int n);
+    void embed_row(int tok, float* out) const;
+    int mm(const Mat& W, const float* x, int k, float* y, int rows, ThreadPool* pool, int path);
+    void attention(int layer, int k, int pos, ThreadPool* pool, const Vec& v);
+    int chunk(const int32_t* tok, int k, int pos, float* logits, int mode, float* hidden, int hidden_stride,
+              ThreadPool* pool, int path);
+};
+
+bool Model::Impl::bind(const char* name, Mat& m, int rows, int cols) {
+    const TensorEntry* e = file.find(name);
+    if (!e) return fail(std::string("the file has no tensor ") + name);
+    if ((int)e->rows != rows || (int)e->cols != cols)
+        return fail(std::string("tensor ") + name + " has a shape that does not match the header");
+    m.fmt = (int)e->fmt; m.rows = rows; m.cols = cols;
+    if (e->fmt == FMT_F32) m.f32 = (const float*)file.data(e);
+    else m.pm = file.matrix(e);
+    return true;
+}
+
+bool Model::Impl::bind(const char* name, const float*& p, int n) {
+    const TensorEntry* e = file.find(name);
+    if (!e) return fail(std::string("the file has no tensor ") + name);
+    if (e->fmt != FMT_F32 || (int64_t)(e->rows * e->cols) != n)
+        return fail(std::string("tensor ") + name + " is not an f32 vector of the expected size");
+    p = (const float*)file.data(e);
+    return true;
+}
+
+Model::Model() : impl_(new Impl) {}
+Model::~Model() { delete impl_; }
+const char* Model::error() const { return impl_->err.c_str(); }
+const FileHeader& Model::config() const { return impl_->h; }
+int Model::max_context() const { return impl_->max_ctx; }
+int Model::vocab() const { return impl_->vocab; }
+
+int64_t Model::weight_bytes() const {
+    const Impl& m = *impl_;
+    int64_t total = 0;
+    auto add = [&](const Mat& w) {
+        total += w.fmt == FMT_F32 ? (int64_t)w.rows * w.cols * 4
+                                  : packed_scale_count(w.rows, w.cols) * 2 + packed_byte_count(w.fmt, w.rows, w.cols);
+    };
+    for (const Layer& l : m.layers) { add(l.qkv); add(l.o); add(l.gate_up); add(l.down); }
+    add(m.output);
+    return total;
+}
+
+bool Model::load(const char* path, int max_context) {
+    Impl& m = *impl_;
+    if (m.loaded) return m.fail("this Model is already loaded");
+    if (!m.file.open(path)) return m.fail(m.file.error());
+    m.h = *m.file.header();
+    const FileHeader& h = m.h;
+    if (max_context < 1) return m.fail("max_context must be at least 1");
+    if (h.head_dim % 2 || h.num_heads % h.num_kv_heads || h.hidden_size % QK)
+        return m.fail("the header's head_dim, heads or hidden size are inconsistent");
+    m.max_ctx = max_context;
+    m.vocab = (int)h.tokenizer_size;
+    m.q_dim = h.num_heads * h.head_dim;
+    m.kv_dim = h.num_kv_heads * h.head_dim;
+    m.qkv_rows = m.q_dim + 2 * m.kv_dim;
+    const int H = h.hidden_size, I = h.intermediate_size;
+    if (!m.bind("embed", m.embed, h.vocab_size, H) || !m.bind("norm", m.norm, H)) return false;
+    if (h.tie_embeddings) m.output = m.embed;
+    else if (!m.bind("output", m.output, h.vocab_size, H)) return false;
+    if (m.output.fmt == FMT_F32 && m.embed.fmt != FMT_F32 && h.tie_embeddings) return m.fail("bad tied embedding");
+    m.layers.resize(h.num_layers);
+    char name[96];
+    for (uint32_t i = 0; i < h.num_layers; i++) {
+        Layer& L = m.layers[i];
+        auto nm = [&](const char* s) { std::snprintf(name, sizeof name, "layers.%u.%s", i, s); return name; };
+        if (!m.bind(nm("attn_norm"), L.attn_norm, H) || !m.bind(nm("ffn_norm"), L.ffn_norm, H) ||
+            !m.bind(nm("qkv"), L.qkv, m.qkv_rows, H) || !m.bind(nm("o"), L.o, H, m.q_dim) ||
+            !m.bind(nm("gate_up"), L.gate_up, 2 * I, H) || !m.bind(nm("down"), L.down, H, I))
+            return false;
+        if (h.qk_norm && (!m.bind(nm("q_norm"), L.q_norm, h.head_dim) || !m.bind(nm("k_norm"), L.k_norm, h.head_dim)))
+            return false;
+        if (h.qkv_bias && !m.bind(nm("qkv_bias"), L.qkv_bias, m.qkv_rows)) return false;
+    }
+    const size_t cache = (size_t)h.num_layers * h.num_kv_heads * max_context * h.head_dim;
+    m.kcache.assign(cache, 0);
+    m.vcache.assign(cache, 0);
+    const int half = h.head_dim / 2;
+    m.cos_t.resize((size_t)max_context * half);
+    m.sin_t.resize((size_t)max_context * half);
+    for (int i = 0; i < half; i++) {      // as torch: theta ** (2i / d) in float32, then 1 / that
+        const float inv = 1.0f / std::pow((float)h.rope_theta, (float)(2 * i) / (float)h.head_dim);
+        for (int p = 0; p < max_context; p++) {
+            const float f = (float)p * inv;
+            m.cos_t[(size_t)p * half + i] = std::cos(f);
+            m.sin_t[(size_t)p * half + i] = std::sin(f);
+        }
+    }
+    const int K = MAX_K;
+    m.x.resize((size_t)K * H); m.xn.resize((size_t)K * H); m.tmp.resize((size_t)K * H);
+    m.qkv.resize((size_t)K * m.qkv_rows); m.att.resize((size_t)K * m.q_dim);
+    m.gu.resize((size_t)K * 2 * I); m.hb.resize((size_t)K * I);
+    m.logits_tmp.resize((size_t)K * m.vocab);
+    const int group = h.num_heads / h.num_kv_heads;
+    m.scratch.resize((size_t)online_cpus() * ((size_t)group * max_context + 2 * h.head_dim) + 64);
+    m.loaded = true;
+    return true;
+}
+
+// ============================================================================
+// The forward pass
+// ============================================================================
+
+void Model::Impl::embed_row(int tok, float* out) const {
+    const int H = h.hidden_size;
+    if (embed.fmt == FMT_F32) {
+        std::memcpy(out, embed.f32 + (int64_t)tok * H, H * sizeof(float));
+        return;
+    }
+    const int nb = H / QK, tile = tok / TILE, lane = tok % TILE, ch = embed.fmt == FMT_Q4 ? 4 : 8;
+    for (int b = 0; b < nb; b++) {
+        const int64_t tb = (int64_t)tile * nb + b;
+        const float d = fp16_to_fp32(embed.pm.d[tb * TILE + lane]);
+        const uint8_t* q = embed.pm.q + tb * ch * 64 + lane * 4;
+        for (int c = 0; c < ch; c++)
+            for (int j = 0; j < 4; j++) {
+                const uint8_t v = q[c * 64 + j];
+                if (embed.fmt == FMT_Q4) {
+                    out[b * QK + 4 * c + j] = (float)((v & 15) - 8) * d;
+                    out[b * QK + 16 + 4 * c + j] = (float)((v >> 4) - 8) * d;
+                } else {
+                    out[b * QK + 4 * c + j] = (float)(v - 128) * d;
+                }
+            }
+    }
+}
+
+// y[t * rows + r] for the first `rows` rows of W (the output layer stops at the tokenizer).
+int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, ThreadPool* pool, int path) {
+    if (W.fmt == FMT_F32) {
+        const int cols = W.cols;
+        for_range(pool, rows, 0, [&](int b, int e, int) {
+            for (int r = b; r < e; r++)
+                for (int t = 0; t < k; t++) {
+                    const float* w = W.f32 + (int64_t)r * cols;
+                    const float* xv = xin + (int64_t)t * cols;
+                    float s = 0.f;
+                    for (int c = 0; c < cols; c++) s = std::fmaf(w[c], xv[c], s);
+                    y[(int64_t)t * rows + r] = s;
+                }
+        });
+        return E_OK;
+    }
+    int64_t bad = 0;
+    if (acts.quantize(xin, k, W.cols, path, &bad) != Q_OK) return E_NONFINITE;
+    PackedMat pm = W.pm;
+    pm.rows = rows;
+    pm.tiles = (rows + TILE - 1) / TILE;
+    return matmul(pm, acts, y, rows, path, pool, 0) == MM_OK ? E_OK : E_PATH;
+}
+
+void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, const Vec& v) {
+    const int D = h.head_dim, KV = h.num_kv_heads, group = h.num_heads / KV;
+    const float scale = (float)std::pow((double)D, -0.5);
+    const size_t per_thread = (size_t)group * max_ctx + 2 * D;
+    // one task per (kv head, token): its query heads read each K and V row once
+    for_range(pool, KV * k, 1, [&](int b, int e, int tid) {
+        float* scores = scratch.data() + (size_t)tid * per_thread;
+        float* row = scores + (size_t)group * max_ctx;
+        for (int task = b; task < e; task++) {
+            const int kvh = task / k, j = task % k, n = pos + j + 1;
+            const uint16_t* K = kcache.data() + (((size_t)layer * KV + kvh) * max_ctx) * D;
+            const uint16_t* V = vcache.data() + (((size_t)layer * KV + kvh) * max_ctx) * D;
+            const float* q = qkv.data() + (size_t)j * qkv_rows + (size_t)kvh * group * D;
+            for (int t = 0; t < n; t++) {
+                v.f16_to_f32(K + (size_t)t * D, row, D);
+                for (int g = 0; g < group; g++) scores[(size_t)g * max_ctx + t] = v.dot(q + g * D, row, D) * scale;
+            }
+            float* out = att.data() + (size_t)j * q_dim + (size_t)kvh * group * D;
+            std::memset(out, 0, sizeof(float) * group * D);
+            for (int g = 0; g < group; g++) {
+                float* s = scores + (size_t)g * max_ctx;
+                float mx = s[0];
+                for (int t = 1; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+                float sum = 0.f;
+                for (int t = 0; t < n; t++) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
+                for (int t = 0; t < n; t++) s[t] /= sum;
+            }
+            for (int t = 0; t < n; t++) {
+                v.f16_to_f32(V + (size_t)t * D, row, D);
+                for (int g = 0; g < group; g++) v.axpy(scores[(size_t)g * max_ctx + t], row, out + g * D, D);
+            }
+        }
+    });
+}
+
+int Model::Impl::chunk(const int32_t* tok, int k, int pos, float* logits, int mode, float* hidden,
+                       int hidden_stride, ThreadPool* pool, int path) {
+    const int H = h.hidden_size, I = h.intermediate_size, D = h.head_dim, half = D / 2;
+    const float eps = (float)h.rms_eps;
+    const Vec v = vec_for(path);
+    for (int j = 0; j < k; j++) embed_row(tok[j], &x[(size_t)j * H]);
+    for (uint32_t l = 0; l < h.num_layers; l++) {
+        const Layer& L = layers[l];
+        for (int j = 0; j < k; j++) rms_norm(&x[(size_t)j * H], L.attn_norm, H, eps, &xn[(size_t)j * H]);
+        int rc = mm(L.qkv, xn.data(), k, qkv.data(), qkv_rows, pool, path);
+        if (rc) return rc;
+        for (int j = 0; j < k; j++) {
+            float* row = &qkv[(size_t)j * qkv_rows];
+            if (L.qkv_bias) for (int i = 0; i < qkv_rows; i++) row[i] += L.qkv_bias[i];
+            const int p = pos + j;
+            const float* c = &cos_t[(size_t)p * half];
+            const float* s = &sin_t[(size_t)p * half];
+            for (int hd = 0; hd < (int)(h.num_heads + h.num_kv_heads); hd++) {   // q heads, then k heads
+                float* x0 = row + hd * D;
+                if (L.q_norm) rms_norm(x0, hd < (int)h.num_heads ? L.q_norm : L.k_norm, D, eps, x0);
+                for (int i = 0; i < half; i++) {
+                    const float a = x0[i], b = x0[i + half];
+                    x0[i] = a * c[i] + (-b) * s[i];
+                    x0[i + half] = b * c[i] + a * s[i];
+                }
+            }
+            for (uint32_t kvh = 0; kvh < h.num_kv_heads; kvh++) {
+                const size_t at = (((size_t)l * h.num_kv_heads + kvh) * max_ctx + p) * D;
+                for (int i = 0; i < D; i++) {
+                    kcache[at + i] = fp32_to_fp16(row[q_dim + kvh * D + i]);
+                    vcache[at + i] = fp32_to_fp16(row[q_dim + kv_dim + kvh * D + i]);
+                }
+            }
+        }
+        attention(l, k, pos, pool, v);
+        if ((rc = mm(L.o, att.data(), k, tmp.data(), H, pool, path))) return rc;
+        for (size_t i = 0; i < (size_t)k * H; i++) x[i] += tmp[i];
+        for (int j = 0; j < k; j++) rms_norm(&x[(size_t)j * H], L.ffn_norm, H, eps, &xn[(size_t)j * H]);
+        if ((rc = mm(L.gate_up, xn.data(), k, gu.data(), 2 * I, pool, path))) return rc;
+        for (int j = 0; j < k; j++)
+            for (int i = 0; i < I; i++) {
+                const float g = gu[(size_t)j * 2 * I + i], u = gu[(size_t)j * 2 * I + I + i];
+                hb[(size_t)j * I + i] = g / (1.0f + std::exp(-g)) * u;
+            }
+        if ((rc = mm(L.down, hb.data(), k, tmp.data(), H, pool, path))) return rc;
+        for (size_t i = 0; i < (size_t)k * H; i++) x[i] += tmp[i];
+        if (hidden)
+            for (int j = 0; j < k; j++)
+                std::memcpy(hidden + (size_t)l * hidden_stride * H + (size_t)j * H, &x[(size_t)j * H], H * sizeof(float));
+    }
+    if (mode == LOGITS_NONE) return E_OK;
+    const int first = mode == LOGITS_LAST ? k - 1 : 0, n = k - first;
+    for (int j = 0; j < n; j++) rms_norm(&x[(size_t)(first + j) * H], norm, H, eps, &xn[(size_t)j * H]);
+    return mm(output, xn.data(), n, logits, vocab, pool, path);
+}
+
+int Model::forward(const int32_t* tokens, int k, int pos, float* logits, int mode, float* hidden,
+                   ThreadPool* pool, int path) {
+    Impl& m = *impl_;
+    if (!m.loaded) return E_NOT_LOADED;
+    if (k < 1) return E_EMPTY;
+    if (pos < 0 || pos + k > m.max_ctx) return E_CONTEXT;
+    if (!path_supported(path)) return E_PATH;
+    for (int j = 0; j < k; j++)
+        if (tokens[j] < 0 || tokens[j] >= (int)m.h.vocab_size) return E_TOKEN;
+    PinScope pin(pool);
+    for (int s = 0; s < k; s += MAX_K) {
+        const int n = k - s < MAX_K ? k - s : MAX_K;
+        const bool last = s + n == k;
+        const int mode_here = mode == LOGITS_ALL ? LOGITS_ALL : (mode == LOGITS_LAST && last ? LOGITS_LAST : LOGITS_NONE);
+        float* out = mode == LOGITS_ALL ? logits + (size_t)s * m.vocab : logits;
+        float* hid = hidden ? hidden + (size_t)s * m.h.hidden_size : nullptr;
+        const int rc = m.chunk(tokens + s, n, pos + s, out, mode_here, hid, k, pool, path);
+        if (rc) return rc;
+    }
+    return E_OK;
+}
+
+}  // namespace lab

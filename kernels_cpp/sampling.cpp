@@ -1,0 +1,118 @@
+// sampling.cpp — the seeded generator, the warped distribution (temperature, top-k,
+// top-p), sampling from it, and the acceptance rule of speculative sampling.
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "lab.h"
+
+namespace lab {
+
+// ----------------------------------------------------------------------------
+// xoshiro256**, seeded through splitmix64
+// ----------------------------------------------------------------------------
+
+Rng::Rng(uint64_t seed) {
+    for (auto& x : s) {
+        seed += 0x9E3779B97F4A7C15ull;
+        uint64_t z = seed;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+        x = z ^ (z >> 31);
+    }
+}
+
+static inline uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+uint64_t Rng::next() {
+    const uint64_t out = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0]; s[3] ^= s[1]; s[1] ^= s[2]; s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return out;
+}
+
+double Rng::uniform() { return (double)(next() >> 11) * 0x1.0p-53; }
+
+// ----------------------------------------------------------------------------
+// The warped distribution
+// ----------------------------------------------------------------------------
+
+static int argmax(const float* x, int n) {
+    int best = 0;
+    for (int i = 1; i < n; i++)
+        if (x[i] > x[best]) best = i;
+    return best;
+}
+
+// Top-k keeps the k largest logits, ties broken toward the lower token id; top-p then keeps
+// the shortest prefix of those (most probable first) whose mass reaches top_p.
+void warp(const float* logits, int n, const SampleParams& sp, float* probs) {
+    std::fill(probs, probs + n, 0.f);
+    const int top = argmax(logits, n);
+    if (sp.temperature <= 0.f) {
+        probs[top] = 1.f;
+        return;
+    }
+    std::vector<int> idx(n);
+    std::iota(idx.begin(), idx.end(), 0);
+    auto before = [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
+    int keep = n;
+    if (sp.top_k > 0 && sp.top_k < n) {
+        keep = sp.top_k;
+        std::partial_sort(idx.begin(), idx.begin() + keep, idx.end(), before);
+    } else if (sp.top_p < 1.f) {
+        std::sort(idx.begin(), idx.end(), before);
+    }
+    std::vector<double> e(keep);
+    double z = 0;
+    for (int i = 0; i < keep; i++) z += e[i] = std::exp(((double)logits[idx[i]] - logits[top]) / sp.temperature);
+    if (sp.top_p < 1.f) {
+        double cum = 0;
+        int cut = keep;
+        for (int i = 0; i < keep; i++)
+            if ((cum += e[i] / z) >= sp.top_p) { cut = i + 1; break; }
+        keep = cut;
+        z = 0;
+        for (int i = 0; i < keep; i++) z += e[i];
+    }
+    for (int i = 0; i < keep; i++) probs[idx[i]] = (float)(e[i] / z);
+}
+
+int sample(const float* probs, int n, Rng& rng) {
+    const double u = rng.uniform();
+    double cum = 0;
+    int last = 0;
+    for (int i = 0; i < n; i++) {
+        if (probs[i] <= 0.f) continue;
+        cum += probs[i];
+        last = i;
+        if (u < cum) return i;
+    }
+    return last;                                 // rounding left u past the total
+}
+
+int accept_or_resample(const float* p, const float* q, int n, int x, Rng& rng, bool* accepted) {
+    if (q[x] > 0.f && rng.uniform() * q[x] < p[x]) {    // u < p(x)/q(x), without the division
+        *accepted = true;
+        return x;
+    }
+    *accepted = false;
+    double z = 0;
+    for (int i = 0; i < n; i++) z += std::max(0.f, p[i] - q[i]);
+    if (z <= 0) return sample(p, n, rng);
+    const double u = rng.uniform() * z;
+    double cum = 0;
+    int last = 0;
+    for (int i = 0; i < n; i++) {
+        const float r = std::max(0.f, p[i] - q[i]);
+        if (r <= 0.f) continue;
+        cum += r;
+        last = i;
+        if (u < cum) return i;
+    }
+    return last;
+}
+
+}  // namespace lab

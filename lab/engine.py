@@ -1,0 +1,202 @@
+"""The Python face of the C++ engine: load a weights file, run k tokens, generate plainly
+or speculatively (draft model or prompt lookup). The whole generation loop runs in C++;
+Python hands token ids in and reads tokens and per-stage times out."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import native
+from .errors import LabError
+from .kernels import Pool, _pool_ptr, check_array
+
+_STATUS = {1: "the context is longer than the cache", 2: "a token id is outside the vocabulary",
+           3: "the prompt is empty", 4: "gamma must be 1..16", 5: "the draft's vocabulary differs from the target's",
+           6: "the model is not loaded", 7: "a tensor is missing", 8: "the kernel path is not supported",
+           9: "a NaN or inf appeared in the activations"}
+
+
+class EngineError(LabError):
+    """The engine refused a request; the message says why."""
+
+
+def _check(rc: int, what: str) -> None:
+    if rc:
+        raise EngineError(f"{what}: {_STATUS.get(rc, f'error {rc}')}")
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    prompt_tokens: int
+    rounds: int
+    drafted: int
+    accepted: int
+    per_round: list[tuple[int, int]]        # (drafted, accepted)
+    t_prompt: float
+    t_draft: float
+    t_verify: float
+    t_sample: float
+    t_total: float
+    stopped_on_eos: bool
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def t_generate(self) -> float:
+        return self.t_total - self.t_prompt
+
+    @property
+    def prompt_tokens_per_s(self) -> float:
+        return (self.prompt_tokens - 1) / self.t_prompt if self.t_prompt > 0 else float("nan")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.t_generate if self.t_generate > 0 else float("nan")
+
+    @property
+    def tokens_per_round(self) -> float:
+        return len(self.tokens) / self.rounds if self.rounds else float("nan")
+
+    @property
+    def acceptance(self) -> float:
+        """Accepted guesses over drafted ones."""
+        return self.accepted / self.drafted if self.drafted else float("nan")
+
+    def summary(self) -> dict:
+        return {"new_tokens": len(self.tokens), "prompt_tokens": self.prompt_tokens,
+                "prompt_tokens_per_s": self.prompt_tokens_per_s, "tokens_per_s": self.tokens_per_s,
+                "rounds": self.rounds, "tokens_per_round": self.tokens_per_round,
+                "drafted": self.drafted, "accepted": self.accepted, "acceptance": self.acceptance,
+                "t_prompt": self.t_prompt, "t_draft": self.t_draft, "t_verify": self.t_verify,
+                "t_sample": self.t_sample, "t_total": self.t_total, "stopped_on_eos": self.stopped_on_eos}
+
+
+class Engine:
+    """A model from the engine's weights file, with its own thread pool and KV cache."""
+
+    def __init__(self, model_file: str | Path, threads: int | None = None, cpus: list[int] | None = None,
+                 max_context: int = 4096, path: str | None = None, pool: Pool | None = None):
+        ns = native.lib()
+        self.path_id = native.path_id(path)
+        self.pool = pool or Pool(threads, cpus)
+        self.file = Path(model_file)
+        if not self.file.exists():
+            raise EngineError(f"no weights file at {self.file}: export one with lab.models.export")
+        self._m = ns.Model()
+        if not self._m.load(str(self.file), int(max_context)):
+            raise EngineError(str(self._m.error()))
+        h = self._m.config()
+        self.vocab = int(self._m.vocab())
+        self.vocab_rows = int(h.vocab_size)
+        self.hidden_size = int(h.hidden_size)
+        self.num_layers = int(h.num_layers)
+        self.max_context = int(max_context)
+        self.eos_ids = [int(h.eos[i]) for i in range(int(h.n_eos))]
+        self.arch = {1: "qwen3", 2: "qwen2", 3: "llama"}[int(h.arch)]
+
+    @property
+    def weight_bytes(self) -> int:
+        return int(self._m.weight_bytes())
+
+    def _ids(self, tokens, name="tokens") -> np.ndarray:
+        ids = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64).reshape(-1))
+        if ids.size == 0:
+            raise EngineError(f"{name} is empty: give at least one token id")
+        bad = (ids < 0) | (ids >= self.vocab_rows)
+        if bad.any():
+            raise EngineError(f"{name} holds id {int(ids[bad][0])}, outside the vocabulary [0, {self.vocab_rows})")
+        return ids.astype(np.int32)
+
+    def forward(self, tokens, pos: int = 0, logits: str = "all", hidden: bool = False):
+        """Runs tokens at positions pos.. (filling the KV cache) -> logits [k, vocab] (or [vocab]
+        for logits="last"), and with hidden=True also [layers, k, hidden] after every layer."""
+        ids = self._ids(tokens)
+        k = ids.size
+        if pos < 0 or pos + k > self.max_context:
+            raise EngineError(f"positions {pos}..{pos + k - 1} do not fit the cache of {self.max_context}")
+        mode = {"none": 0, "last": 1, "all": 2}[logits]
+        out = np.zeros((k if mode == 2 else 1, self.vocab), np.float32)
+        hid = np.zeros((self.num_layers, k, self.hidden_size), np.float32) if hidden else None
+        import cppyy
+        _check(self._m.forward(ids, k, pos, out, mode, hid if hidden else cppyy.nullptr,
+                               self.pool._pool, self.path_id), "forward")
+        res = out if mode == 2 else out[0]
+        return (res, hid) if hidden else res
+
+    def _params(self, max_new_tokens, temperature, top_k, top_p, seed, gamma=4, threshold=0.0, ngram=3, mode=0):
+        ns = native.lib()
+        if not 1 <= max_new_tokens:
+            raise EngineError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        if mode and not 1 <= gamma <= 16:
+            raise EngineError(f"gamma={gamma} is out of range: one round verifies 1 to 16 guesses")
+        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+            raise EngineError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0, please")
+        gp = ns.GenParams()
+        gp.mode, gp.max_new_tokens, gp.gamma, gp.threshold, gp.ngram_max = mode, max_new_tokens, gamma, threshold, ngram
+        gp.sample.temperature, gp.sample.top_k, gp.sample.top_p = temperature, top_k, top_p
+        gp.seed = seed
+        eos = self.eos_ids[:4]
+        gp.n_eos = len(eos)
+        for i, e in enumerate(eos):
+            gp.eos[i] = e
+        return gp
+
+    def _run(self, gen, prompt, gp, on_token=None) -> Result:
+        ids = self._ids(prompt, "prompt")
+        n = int(gp.max_new_tokens)
+        out = np.zeros(n, np.int32)
+        rounds = n + 1
+        drafted, accepted = np.zeros(rounds, np.int32), np.zeros(rounds, np.int32)
+        rc = [0]
+
+        def work():
+            rc[0] = gen.run(ids, ids.size, gp, out, drafted, accepted, rounds)
+        if on_token is None:
+            work()
+        else:                                   # stream: C++ runs (GIL released), Python polls
+            t = threading.Thread(target=work)
+            t.start()
+            seen = 0
+            while t.is_alive() or seen < gen.produced():
+                now = gen.produced()
+                for i in range(seen, now):
+                    on_token(int(out[i]))
+                seen = now
+                time.sleep(0.005)
+            t.join()
+        _check(rc[0], "generate")
+        s = gen.stats()
+        r = int(s.rounds)
+        return Result(out[:int(s.new_tokens)].tolist(), int(s.prompt_tokens), r, int(s.drafted), int(s.accepted),
+                      list(zip(drafted[:min(r, rounds)].tolist(), accepted[:min(r, rounds)].tolist())),
+                      float(s.t_prompt), float(s.t_draft), float(s.t_verify), float(s.t_sample), float(s.t_total),
+                      bool(s.stopped_on_eos))
+
+    def generate(self, prompt, max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+                 top_p: float = 1.0, seed: int = 0, on_token=None) -> Result:
+        """Plain decoding; greedy when temperature is 0."""
+        import cppyy
+        gen = native.lib().Generator(self._m, cppyy.nullptr, self.pool._pool, self.path_id)
+        return self._run(gen, prompt, self._params(max_new_tokens, temperature, top_k, top_p, seed), on_token)
+
+    def speculate(self, prompt, draft: "Engine | str" = "lookup", gamma: int = 4, max_new_tokens: int = 128,
+                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+                  threshold: float = 0.0, ngram: int = 3, on_token=None) -> Result:
+        """Speculative decoding with a draft Engine, or prompt lookup (draft="lookup")."""
+        import cppyy
+        if isinstance(draft, Engine):
+            if draft.vocab != self.vocab:
+                raise EngineError(f"the draft's vocabulary ({draft.vocab}) differs from the target's ({self.vocab})")
+            gen = native.lib().Generator(self._m, draft._m, self.pool._pool, self.path_id)
+            mode = 1
+        elif draft == "lookup":
+            gen = native.lib().Generator(self._m, cppyy.nullptr, self.pool._pool, self.path_id)
+            mode = 2
+        else:
+            raise EngineError(f"draft must be an Engine or 'lookup', got {draft!r}")
+        gp = self._params(max_new_tokens, temperature, top_k, top_p, seed, gamma, threshold, ngram, mode)
+        return self._run(gen, prompt, gp, on_token)
