@@ -286,6 +286,8 @@ int sample(const float* probs, int n, Rng& rng);
 // draw from max(0, p - q) renormalised. Returns x when accepted, else the resampled token;
 // *accepted says which.
 int accept_or_resample(const float* p, const float* q, int n, int x, Rng& rng, bool* accepted);
+// For tests: `draws` times, x ~ q then accept_or_resample; out[i] is the token that results.
+void accept_trials(const float* p, const float* q, int n, int draws, uint64_t seed, int32_t* out);
 
 enum GenMode : int { GEN_PLAIN = 0, GEN_DRAFT = 1, GEN_LOOKUP = 2 };
 

@@ -115,4 +115,10 @@ int accept_or_resample(const float* p, const float* q, int n, int x, Rng& rng, b
     return last;
 }
 
+void accept_trials(const float* p, const float* q, int n, int draws, uint64_t seed, int32_t* out) {
+    Rng rng(seed);
+    bool ok;
+    for (int i = 0; i < draws; i++) out[i] = accept_or_resample(p, q, n, sample(q, n, rng), rng, &ok);
+}
+
 }  // namespace lab

@@ -1,0 +1,257 @@
+"""The engine: the f32 engine follows the reference layer by layer; the quantized engine
+tracks its twin; a k-token pass equals k single-token passes bit for bit; greedy
+speculative output equals plain greedy output bit for bit; the acceptance rule samples
+the target's distribution; bad requests are Python exceptions."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lab import native
+from lab.engine import Engine, EngineError
+from lab.kernels import Pool
+from lab.models import TINY, tiny_weights
+from lab.models import export as ex
+from lab.models.twin import Twin
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Weights files of the tiny models: name -> scheme -> path."""
+    d = tmp_path_factory.mktemp("models")
+    out = {}
+    for name, c in TINY.items():
+        w = tiny_weights(c, seed=1)
+        out[name] = {s: ex.export(c, w, d / f"{name}-{s}.lab", s) for s in ("f32", "q8", "q4", "q4-q8out")}
+    out["tiny-v16-draft"] = {"f32": ex.export(TINY["tiny-v16"], tiny_weights(TINY["tiny-v16"], seed=7),
+                                              d / "v16-draft.lab", "f32")}
+    return out
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return Pool(min(2, len(__import__("os").sched_getaffinity(0))))
+
+
+def prompts(c, n=6, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, c.tokenizer_size, int(rng.integers(1, 40))).tolist() for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------
+# Against the reference and the twin
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen2", "tiny-llama"])
+def test_f32_engine_follows_the_reference(files, pool, name):
+    """Every layer within float32 rounding of the reference (with the engine's fp16 KV
+    cache), and identical greedy tokens."""
+    c = TINY[name]
+    e = Engine(files[name]["f32"], pool=pool, max_context=256)
+    ref = Twin(c, tiny_weights(c, seed=1), "f32", max_context=256)     # f32 weights, fp16 KV
+    for p in prompts(c, 3):
+        logits, hidden = e.forward(p, 0, hidden=True)
+        want_h = []
+        want = ref.forward(p, 0, hidden=want_h)
+        for i, h in enumerate(want_h):
+            np.testing.assert_allclose(hidden[i], h.numpy(), rtol=1e-4, atol=1e-4 * float(h.abs().max()))
+        np.testing.assert_allclose(logits, want[:, :c.tokenizer_size].numpy(), rtol=1e-4,
+                                   atol=1e-4 * float(want.abs().max()))
+        assert e.generate(p, 40).tokens == ref.greedy(p, 40)
+
+
+@pytest.mark.parametrize("scheme", ["q8", "q4-q8out"])
+def test_quantized_engine_tracks_the_twin(files, pool, scheme):
+    c = TINY["tiny-qwen2"]
+    e = Engine(files["tiny-qwen2"][scheme], pool=pool, max_context=256)
+    tw = Twin(c, tiny_weights(c, seed=1), scheme, max_context=256)
+    same, agree, tvd, n = 0, 0, 0.0, 0
+    ps = prompts(c, 8, seed=3)
+    for p in ps:
+        a = torch.from_numpy(e.forward(p, 0))
+        b = tw.forward(p, 0)[:, :c.tokenizer_size]
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        tvd += float(0.5 * (torch.softmax(a, -1) - torch.softmax(b, -1)).abs().sum(-1).sum())
+        n += len(p)
+        same += e.generate(p, 20).tokens == tw.greedy(p, 20)
+    assert same >= 6, f"identical greedy continuations on only {same} of 8 prompts"
+    assert agree / n > 0.95 and tvd / n < 0.03, (agree / n, tvd / n)
+
+
+# ----------------------------------------------------------------------------
+# Exactness
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scheme", ["f32", "q8", "q4-q8out"])
+def test_k_token_pass_equals_single_passes(files, scheme):
+    c = TINY["tiny-qwen3"]
+    toks = prompts(c, 1, seed=5)[0] + list(range(40))
+    for threads in sorted({1, min(2, len(__import__("os").sched_getaffinity(0)))}):
+        e = Engine(files["tiny-qwen3"][scheme], threads=threads, max_context=256)
+        e.forward(toks[:8], 0, logits="none")
+        singles = np.stack([e.forward([t], 8 + j, logits="last") for j, t in enumerate(toks[8:24])])
+        for k in range(1, 17):
+            got = e.forward(toks[8:8 + k], 8)
+            assert got.tobytes() == singles[:k].tobytes(), (threads, k)
+
+
+def _eos_engine(path, pool, eos):
+    e = Engine(path, pool=pool, max_context=512)
+    e.eos_ids = eos
+    return e
+
+
+@pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen2", "tiny-llama"])
+def test_greedy_speculation_equals_plain_greedy(files, pool, name):
+    c = TINY[name]
+    target = Engine(files[name]["q4-q8out"], pool=pool, max_context=512)
+    drafts = [Engine(files[name]["q4"], pool=pool, max_context=512),          # a near twin: long accepted runs
+              Engine(files[name]["q4-q8out"], pool=pool, max_context=512),    # the target itself: all accepted
+              "lookup"]
+    for p in prompts(c, 5, seed=11) + [[5, 6, 7, 5, 6, 7, 5, 6]]:
+        plain = target.generate(p, 48).tokens
+        for d in drafts:
+            for gamma in range(1, 9):
+                r = target.speculate(p, d, gamma=gamma, max_new_tokens=48)
+                assert r.tokens == plain, (p, d, gamma)
+    r = target.speculate(p, drafts[1], gamma=4, max_new_tokens=48)
+    assert r.per_round[:5] == [(4, 4)] * 5                              # all-accepted rounds in a row
+
+
+def test_eos_inside_an_accepted_block_and_budget_mid_round(files, pool):
+    path = files["tiny-qwen2"]["q8"]
+    p = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = Engine(path, pool=pool, max_context=512).generate(p, 40).tokens
+    eos = plain[9]
+    stop_at = plain.index(eos) + 1
+    for gamma in (3, 5, 8):
+        t = _eos_engine(path, pool, [eos])
+        d = _eos_engine(path, pool, [eos])                                # same model: guesses all accepted
+        r = t.speculate(p, d, gamma=gamma, max_new_tokens=40)
+        assert r.tokens == plain[:stop_at] and r.stopped_on_eos
+        for budget in (1, 6, 7, 13):                                      # budgets that end mid-round
+            r = t.speculate(p, d, gamma=gamma, max_new_tokens=budget)
+            want = plain[:budget]
+            if eos in want:
+                want = want[:want.index(eos) + 1]
+            assert r.tokens == want
+
+
+# ----------------------------------------------------------------------------
+# Sampling
+# ----------------------------------------------------------------------------
+
+def chi2_critical(df: int, z: float = 3.29) -> float:
+    """Wilson-Hilferty: the chi-square value a correct sampler exceeds with probability ~5e-4."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi2(counts: np.ndarray, probs: np.ndarray) -> tuple[float, int]:
+    n = counts.sum()
+    exp = probs * n
+    big = exp >= 5
+    stat = float((((counts[big] - exp[big]) ** 2) / exp[big]).sum())
+    rest_o, rest_e = counts[~big].sum(), exp[~big].sum()
+    df = int(big.sum()) - 1
+    if rest_e > 0:
+        stat += (rest_o - rest_e) ** 2 / rest_e
+        df += 1
+    assert counts[probs == 0].sum() == 0, "sampled a token of probability zero"
+    return stat, df
+
+
+def torch_warp(logits, temperature, top_k=0, top_p=1.0):
+    """The warping rule, written independently: top-k (ties to the lower id), softmax at the
+    temperature, then the shortest most-probable prefix reaching top_p."""
+    logits = torch.as_tensor(logits, dtype=torch.float64)
+    n = logits.numel()
+    order = sorted(range(n), key=lambda i: (-float(logits[i]), i))
+    keep = order[:top_k] if 0 < top_k < n else order
+    e = torch.exp((logits[keep] - logits.max()) / temperature)
+    pr = e / e.sum()
+    if top_p < 1:
+        cum = torch.cumsum(pr, 0)
+        cut = int((cum >= top_p).nonzero()[0]) + 1
+        keep, pr = keep[:cut], pr[:cut] / pr[:cut].sum()
+    out = torch.zeros(n, dtype=torch.float64)
+    out[keep] = pr
+    return out.numpy()
+
+
+@pytest.mark.parametrize("warp", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 6, 0.9)])
+def test_acceptance_rule_chi_square(ns, warp):
+    """Draft x ~ q, accept with min(1, p/q), else resample from max(0, p - q): x ~ p."""
+    n, draws = 12, 100_000
+    rng = np.random.default_rng(0)
+    T, k, tp = warp
+    sp = ns.SampleParams()
+    sp.temperature, sp.top_k, sp.top_p = T, k, tp
+    p_logits, q_logits = rng.standard_normal(n).astype(np.float32) * 2, rng.standard_normal(n).astype(np.float32)
+    p, q = np.zeros(n, np.float32), np.zeros(n, np.float32)
+    ns.warp(p_logits, n, sp, p)
+    sq = ns.SampleParams()
+    sq.temperature = 1.0
+    ns.warp(q_logits, n, sq, q)
+    np.testing.assert_allclose(p, torch_warp(p_logits, T, k, tp), atol=1e-6)
+    out = np.zeros(draws, np.int32)
+    ns.accept_trials(p, q, n, draws, 42, out)
+    counts = np.bincount(out, minlength=n)
+    stat, df = chi2(counts, p.astype(np.float64) / p.sum())
+    assert stat < chi2_critical(df), (stat, df)
+
+
+def test_speculative_samples_of_every_length2_continuation(files, pool):
+    """End to end: the engine's speculative samples (temperature 1, draft model) of the next
+    two tokens follow the target's distribution enumerated in PyTorch."""
+    c = TINY["tiny-v16"]
+    ref = Twin(c, tiny_weights(c, seed=1), "f32", max_context=64)
+    prompt = [3, 9, 1]
+    T = 1.5
+    p1 = torch_warp(ref.forward(prompt, 0)[-1].numpy(), T)
+    joint = np.zeros((16, 16))
+    for a in range(16):
+        ref.reset(len(prompt))
+        joint[a] = p1[a] * torch_warp(ref.forward([a], len(prompt))[-1].numpy(), T)
+    target = Engine(files["tiny-v16"]["f32"], pool=pool, max_context=64)
+    draft = Engine(files["tiny-v16-draft"]["f32"], pool=pool, max_context=64)
+    counts = np.zeros((16, 16))
+    runs = 12_000
+    for seed in range(runs):
+        t = target.speculate(prompt, draft, gamma=(seed % 3) + 1, max_new_tokens=2, temperature=T, seed=seed).tokens
+        counts[t[0], t[1]] += 1
+    stat, df = chi2(counts.ravel(), joint.ravel())
+    assert stat < chi2_critical(df), (stat, df)
+
+
+# ----------------------------------------------------------------------------
+# Bad input
+# ----------------------------------------------------------------------------
+
+def test_bad_requests_are_exceptions(files, pool, tmp_path):
+    e = Engine(files["tiny-qwen3"]["q8"], pool=pool, max_context=64)
+    with pytest.raises(EngineError, match="do not fit the cache"):
+        e.forward(list(range(70)), 0)
+    with pytest.raises(EngineError, match="context is longer than the cache"):
+        e.generate(list(range(40)), max_new_tokens=30)
+    with pytest.raises(EngineError, match="prompt is empty"):
+        e.generate([], 5)
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        e.generate([1, 2, 10_000], 5)
+    with pytest.raises(EngineError, match="outside the vocabulary"):
+        e.forward([-1])
+    for g in (0, -2, 17):
+        with pytest.raises(EngineError, match="gamma"):
+            e.speculate([1, 2], "lookup", gamma=g)
+    other = Engine(files["tiny-llama"]["q8"], pool=pool, max_context=64)
+    with pytest.raises(EngineError, match="vocabulary"):
+        e.speculate([1, 2], other)
+    raw = bytearray(files["tiny-qwen3"]["q8"].read_bytes())
+    raw[12:16] = (7).to_bytes(4, "little")
+    (tmp_path / "alien.lab").write_bytes(bytes(raw))
+    with pytest.raises(EngineError, match="architecture 7"):
+        Engine(tmp_path / "alien.lab", pool=pool)
+    with pytest.raises(EngineError, match="no weights file"):
+        Engine(tmp_path / "missing.lab", pool=pool)
