@@ -20,7 +20,7 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 PROMPTS = [list(range(3, 40)), [7, 300, 12, 12, 45, 9, 200, 31], [101] * 5 + [17, 18, 19, 20], [250, 4]]
 
 
-@pytest.fixture(scope="module", params=list(TINY))
+@pytest.fixture(scope="module", params=["tiny-qwen3", "tiny-qwen2", "tiny-llama"])
 def tiny(request):
     c = TINY[request.param]
     w = tiny_weights(c, seed=3)
