@@ -224,6 +224,18 @@ int bench_matmul(const PackedMat& W, const QActs& A, float* y, int path, ThreadP
     return rc;
 }
 
+int bench_forward(Model& m, const int32_t* tokens, int k, int pos, int mode, ThreadPool* pool,
+                  int path, int reps, double* secs, float* logits) {
+    PinScope pin(pool);
+    int rc = m.forward(tokens, k, pos, logits, mode, nullptr, pool, path);
+    for (int r = 0; rc == E_OK && r < reps; r++) {
+        const double t0 = now();
+        rc = m.forward(tokens, k, pos, logits, mode, nullptr, pool, path);
+        secs[r] = now() - t0;
+    }
+    return rc;
+}
+
 void fill_random(uint8_t* buf, int64_t n, uint64_t seed) {
     uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
     int64_t i = 0;

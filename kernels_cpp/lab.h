@@ -341,5 +341,8 @@ double bench_dot_peak(int path, int64_t iters);
 int bench_matmul(const PackedMat& W, const QActs& A, float* y, int path, ThreadPool* pool,
                  int chunk, int reps, double* secs);
 void fill_random(uint8_t* buf, int64_t n, uint64_t seed);
+// Times `reps` forward passes of k tokens at pos (after one warm-up); logits: [k][vocab].
+int bench_forward(Model& m, const int32_t* tokens, int k, int pos, int mode, ThreadPool* pool,
+                  int path, int reps, double* secs, float* logits);
 
 }  // namespace lab

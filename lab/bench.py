@@ -225,3 +225,102 @@ def kernels_bench(ks=(1, 2, 4, 8, 16), fmts=("q4", "q8"), threads: int | None = 
     return {"machine": machine(), "path": native.PATHS[p], "threads": n,
             "read_gbps": float(np.median(reads)), "dot_peak_gmacs": peak["gmacs"],
             "dot_peak_iqr": peak["gmacs_iqr"], "results": records}
+
+
+# ----------------------------------------------------------------------------
+# The engine: decode rate against the ceiling, v(k), c, o
+# ----------------------------------------------------------------------------
+
+def _forward_samples(engine, tokens: np.ndarray, pos: int, mode: int, reps: int) -> list[float]:
+    ns = native.lib()
+    k = tokens.size
+    logits = np.zeros((k, engine.vocab), np.float32)
+    secs = np.zeros(reps)
+    rc = ns.bench_forward(engine._m, tokens, k, pos, mode, engine.pool._pool, engine.path_id, reps, secs, logits)
+    if rc:
+        raise RuntimeError(f"bench_forward failed with code {rc}")
+    return list(secs)
+
+
+def _fill(engine, context: int, seed: int = 0) -> np.ndarray:
+    """Puts `context` tokens in the cache (random ids: attention's cost does not read them)."""
+    ids = np.random.default_rng(seed).integers(0, engine.vocab, context).astype(np.int32)
+    engine.forward(ids, 0, logits="none")
+    return ids
+
+
+def decode_bench(model: str, scheme: str = "q4-q8out", threads: int | None = None, context: int = 256,
+                 rounds: int = 7, reps: int = 5) -> dict:
+    """One-token decode steps at a fixed context (the output layer included), paired round by
+    round with read passes: tokens/s, bytes read per token, share of the read ceiling."""
+    from .engine import Engine
+    from .models.export import engine_file
+    path = engine_file(model, scheme)
+    e = Engine(path, threads=threads, max_context=max(context + 64, 512))
+    ids = _fill(e, context)
+    tok = ids[-1:].copy()
+    buf, _owner = read_buffer(512 << 20)
+    reader = read_sampler(buf, e.pool)
+    reader()
+    step = lambda: [e.weight_bytes / s / 1e9 for s in _forward_samples(e, tok, context, 1, reps)]
+    samples = interleave({"step": step, "read": reader}, rounds)
+    share = paired_ratio(samples["step"], samples["read"])
+    gbps = summary(flat(samples["step"]))
+    tps = gbps["median"] * 1e9 / e.weight_bytes
+    return {"machine": machine(), "model": model, "format": scheme, "file": str(path),
+            "threads": e.pool.threads, "context": context, "tokens_per_s": tps,
+            "ms_per_token": 1e3 / tps, "bytes_per_token": e.weight_bytes,
+            "read_gbps": float(np.median(flat(samples["read"]))), "gbps": gbps["median"],
+            "share_of_ceiling": share["median"], "share_of_ceiling_iqr": share["iqr"]}
+
+
+def vk_bench(target: str, draft: str | None = None, scheme: str = "q4-q8out", threads: int | None = None,
+             contexts=(128, 512, 2048), ks=tuple(range(1, 17)), rounds: int = 5, reps: int = 3,
+             draft_schemes=("q4-q8out", "q8"), progress: bool = False) -> dict:
+    """v(k) = one target pass over k tokens / one single-token pass, k values interleaved, at
+    each context; c = one draft step / one target step at the same context; o = a round's
+    overhead (sampling, acceptance) / one target step."""
+    from .engine import Engine
+    from .models.export import engine_file
+    pool = kernels.Pool(threads)
+    top = max(contexts) + max(ks) + 64
+    t = Engine(engine_file(target, scheme), pool=pool, max_context=top)
+    drafts = {s: Engine(engine_file(draft, s), pool=pool, max_context=top) for s in draft_schemes} if draft else {}
+    records, it = [], contexts
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(contexts, desc="v(k)", unit="context")
+    for ctx in it:
+        ids = _fill(t, ctx)
+        for d in drafts.values():
+            d.forward(ids, 0, logits="none")
+        batch = {k: np.random.default_rng(k).integers(0, t.vocab, k).astype(np.int32) for k in ks}
+        cands = {f"k{k}": (lambda k=k: _forward_samples(t, batch[k], ctx, 2 if k > 1 else 1, reps)) for k in ks}
+        for s, d in drafts.items():
+            cands[f"draft-{s}"] = lambda d=d: _forward_samples(d, batch[1], ctx, 1, reps)
+        samples = interleave(cands, rounds)
+        one = samples["k1"]
+        for k in ks:
+            st = paired_ratio(samples[f"k{k}"], one)
+            records.append({"kind": "v", "model": target, "context": ctx, "k": k, "v": st["median"],
+                            "v_iqr": st["iqr"], "ms": float(np.median(flat(samples[f"k{k}"]))) * 1e3})
+        for s in drafts:
+            st = paired_ratio(samples[f"draft-{s}"], one)
+            records.append({"kind": "c", "model": draft, "format": s, "context": ctx, "c": st["median"],
+                            "c_iqr": st["iqr"], "ms": float(np.median(flat(samples[f"draft-{s}"]))) * 1e3})
+    o = overhead(t, drafts.get(scheme) or next(iter(drafts.values()), None))
+    return {"machine": machine(), "target": target, "draft": draft, "format": scheme, "threads": pool.threads,
+            "records": records, "o": o["o_greedy"], "overhead": o}
+
+
+def overhead(target, draft=None, gamma: int = 4, tokens: int = 64) -> dict:
+    """o: the time a round spends outside the model passes (picking tokens, the acceptance
+    rule), per round, over one target step — greedy and sampled (temperature 1)."""
+    prompt = list(np.random.default_rng(1).integers(0, target.vocab, 32))
+    step = float(np.median(_forward_samples(target, np.array(prompt[-1:], np.int32), 32, 1, 5)))
+    out = {"target_step_ms": step * 1e3}
+    for label, temp in (("greedy", 0.0), ("sampled", 1.0)):
+        d = draft if draft is not None else "lookup"
+        r = target.speculate(prompt, d, gamma=gamma, max_new_tokens=tokens, temperature=temp, seed=1)
+        out[f"o_{label}"] = r.t_sample / r.rounds / step
+    return out

@@ -61,11 +61,38 @@ def _print_kernels(r: dict) -> None:
           "%peak: of the dot-product issue peak")
 
 
+def _print_decode(r: dict) -> None:
+    print(f"{r['model']} ({r['format']}), {r['threads']} threads, context {r['context']}: "
+          f"{r['tokens_per_s']:.1f} tokens/s ({r['ms_per_token']:.1f} ms/token)")
+    print(f"{r['bytes_per_token'] / 1e6:.0f} MB read per token = {r['gbps']:.1f} GB/s; read ceiling "
+          f"{r['read_gbps']:.1f} GB/s; share {100 * r['share_of_ceiling']:.0f}% (IQR {100 * r['share_of_ceiling_iqr']:.0f})")
+
+
+def _print_vk(r: dict) -> None:
+    print(f"target {r['target']}, draft {r['draft']}, {r['format']}, {r['threads']} threads")
+    for ctx in sorted({x["context"] for x in r["records"]}):
+        vs = [x for x in r["records"] if x["context"] == ctx and x["kind"] == "v"]
+        print(f"context {ctx}: " + " ".join(f"v({x['k']})={x['v']:.2f}" for x in vs))
+        for x in r["records"]:
+            if x["context"] == ctx and x["kind"] == "c":
+                print(f"  c({x['format']}) = {x['c']:.3f} (IQR {x['c_iqr']:.3f})")
+    print(f"o = {r['o']:.4f} of a target step (greedy); sampled: {r['overhead']['o_sampled']:.4f}")
+
+
 def cmd_bench(args) -> int:
     from . import bench
     if args.what == "bandwidth":
         r = bench.bandwidth(threads=args.threads, mb=args.mb or 512, rounds=args.rounds)
         show = _print_bandwidth
+    elif args.what == "decode":
+        r = bench.decode_bench(args.model, args.scheme, args.threads[0] if args.threads else None,
+                               (args.context or [256])[0], rounds=args.rounds)
+        show = _print_decode
+    elif args.what == "vk":
+        ks = tuple(args.k) if args.k != [1, 2, 4, 8, 16] else tuple(range(1, 17))
+        r = bench.vk_bench(args.model, args.draft, args.scheme, args.threads[0] if args.threads else None,
+                           tuple(args.context or (128, 512, 2048)), ks, rounds=args.rounds, progress=not args.json)
+        show = _print_vk
     else:
         r = bench.kernels_bench(ks=tuple(args.k), fmts=tuple(args.kernel), threads=args.threads[0] if args.threads else None,
                                 quick=args.quick, path=args.path)
@@ -91,8 +118,74 @@ def cmd_models(args) -> int:
             check = " sha256 ok" if r["verified"] else ""
             print(f"{r['name']:20s} {state:8s}{size}{check}  {r['description']}")
         return 0
+    if args.action == "export":
+        from .models.export import engine_file
+        for name in args.names:
+            print(f"{name}: {engine_file(name, args.scheme)}")
+        return 0
     for name in args.names:
         print(f"{name}: {registry.fetch(name)}")
+    return 0
+
+
+def _prompt_ids(model: str, prompt: str, chat: bool):
+    """Token ids of the prompt (with the chat template) and the tokenizer; tiny models take ids."""
+    from .models import TINY
+    if model in TINY:
+        return [int(t) for t in prompt.split()], None
+    from transformers import AutoTokenizer
+    from .models.registry import resolve
+    tok = AutoTokenizer.from_pretrained(str(resolve(model)))
+    if not chat:
+        return tok(prompt)["input_ids"], tok
+    extra = {"enable_thinking": False} if model.startswith("qwen3") else {}
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                   tokenize=False, **extra)
+    return tok(text, add_special_tokens=False)["input_ids"], tok
+
+
+class _Stream:
+    """Prints text as tokens arrive, decoding the whole tail so multi-byte characters come out whole."""
+
+    def __init__(self, tok):
+        self.tok, self.ids, self.shown = tok, [], ""
+
+    def __call__(self, t: int):
+        self.ids.append(t)
+        text = self.tok.decode(self.ids, skip_special_tokens=True) if self.tok else " ".join(map(str, self.ids))
+        if text.endswith("\ufffd"):
+            return
+        sys.stdout.write(text[len(self.shown):])
+        sys.stdout.flush()
+        self.shown = text
+
+
+def cmd_generate(args) -> int:
+    from .engine import Engine
+    from .kernels import Pool
+    from .models.export import engine_file
+    prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
+    ids, tok = _prompt_ids(args.model, prompt, not args.raw)
+    pool = Pool(args.threads)
+    target = Engine(engine_file(args.model, args.scheme), pool=pool, max_context=args.max_context)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+              top_p=args.top_p, seed=args.seed, on_token=_Stream(tok))
+    if args.draft or args.lookup:
+        draft = "lookup" if args.lookup else Engine(engine_file(args.draft, args.draft_scheme), pool=pool,
+                                                    max_context=args.max_context)
+        r = target.speculate(ids, draft, gamma=args.gamma, threshold=args.threshold, **kw)
+    else:
+        r = target.generate(ids, **kw)
+    sys.stdout.write("\n")
+    s = r.summary()
+    lines = [f"prompt: {s['prompt_tokens']} tokens, {s['prompt_tokens_per_s']:.1f} tokens/s",
+             f"generation: {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s"]
+    if args.draft or args.lookup:
+        lines.append(f"rounds: {s['rounds']}, {s['tokens_per_round']:.2f} tokens/round, acceptance "
+                     f"{s['accepted']}/{s['drafted']} = {s['acceptance']:.3f}")
+    lines.append("time: prompt {t_prompt:.3f}s, draft {t_draft:.3f}s, verify {t_verify:.3f}s, "
+                 "sampling {t_sample:.3f}s, total {t_total:.3f}s".format(**s))
+    print("\n".join(lines), file=sys.stderr)
     return 0
 
 
@@ -105,17 +198,41 @@ def parser() -> argparse.ArgumentParser:
     info.set_defaults(fn=cmd_info)
 
     m = sub.add_parser("models", help="the models the lab knows: list, fetch")
-    m.add_argument("action", choices=["list", "fetch"])
-    m.add_argument("names", nargs="*", help="models to fetch")
+    m.add_argument("action", choices=["list", "fetch", "export"])
+    m.add_argument("names", nargs="*", help="models to fetch or export")
+    m.add_argument("--scheme", default="q4-q8out", help="export: f32, q8, q4 or q4-q8out")
     m.add_argument("--json", action="store_true")
     m.set_defaults(fn=cmd_models)
 
+    g = sub.add_parser("generate", help="generate text: streamed to stdout, statistics to stderr")
+    g.add_argument("prompt", help="the prompt ('-' reads stdin; token ids for tiny models)")
+    g.add_argument("--model", default="qwen2.5-coder-1.5b")
+    g.add_argument("--scheme", default="q4-q8out", help="weights format: f32, q8, q4, q4-q8out")
+    g.add_argument("--draft", help="a draft model for speculative decoding")
+    g.add_argument("--draft-scheme", default="q4-q8out")
+    g.add_argument("--lookup", action="store_true", help="speculate with prompt lookup (no draft model)")
+    g.add_argument("--gamma", type=int, default=4, help="guesses per round (1-16)")
+    g.add_argument("--threshold", type=float, default=0.0, help="draft stops when its top probability is below")
+    g.add_argument("--max-new-tokens", type=int, default=256)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--threads", type=int)
+    g.add_argument("--max-context", type=int, default=4096)
+    g.add_argument("--raw", action="store_true", help="no chat template")
+    g.set_defaults(fn=cmd_generate)
+
     b = sub.add_parser("bench", help="quick measurements, JSON out")
-    b.add_argument("what", choices=["bandwidth", "kernels"])
+    b.add_argument("what", choices=["bandwidth", "kernels", "decode", "vk"])
+    b.add_argument("--model", default="qwen2.5-coder-1.5b", help="decode/vk: the target")
+    b.add_argument("--draft", default="qwen2.5-coder-0.5b", help="vk: the draft")
+    b.add_argument("--scheme", default="q4-q8out", help="decode/vk: weights format")
+    b.add_argument("--context", type=_int_list, help="decode: one context (256); vk: several (128,512,2048)")
     b.add_argument("--json", action="store_true", help="print machine-readable results")
     b.add_argument("--threads", type=_int_list, help="thread counts, e.g. 1,2 (kernels: the first)")
     b.add_argument("--mb", type=int, help="bandwidth buffer size in MB (default 512)")
-    b.add_argument("--rounds", type=int, default=5, help="interleaved rounds (bandwidth)")
+    b.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     b.add_argument("--k", type=_int_list, default=[1, 2, 4, 8, 16], help="token counts (kernels)")
     b.add_argument("--kernel", type=lambda s: s.split(","), default=["q4", "q8"], help="q4,q8")
     b.add_argument("--path", help="force a kernel path: scalar, avx2, avxvnni, avx512vnni")

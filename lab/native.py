@@ -27,7 +27,7 @@ PATHS = ("scalar", "avx2", "avxvnni", "avx512vnni", "vnni256evex")
 # Functions that run long enough to want the GIL released while they do.
 _RELEASE_GIL = ("matmul", "Packed::pack", "bench_read", "bench_copy", "bench_triad", "bench_dot_peak",
                 "bench_matmul", "quantize_q8", "quantize_q4", "dequantize_q8", "dequantize_q4",
-                "fill_random")
+                "fill_random", "bench_forward", "Model::forward", "Model::load", "Generator::run")
 
 
 def cache_dir() -> Path:

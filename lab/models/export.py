@@ -194,6 +194,23 @@ def verify(path: str | Path) -> str:
     return want.hex()
 
 
+def engine_file(name: str, scheme: str = "q4-q8out", progress: bool = True) -> Path:
+    """The engine's file for a registry model (or tiny model) under a scheme, exported
+    once into the model cache."""
+    from .load import load
+    from .registry import models_dir
+    out = models_dir() / name / f"{scheme}.lab"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if progress:
+        import sys
+        print(f"exporting {name} as {scheme} ...", file=sys.stderr)
+    m = load(name, tokenizer=True)
+    meta = {"source": name, "tokenizer": str(m.folder) if m.folder else None}
+    return export(m.config, m.weights, out, scheme, meta)
+
+
 def open_native(path: str | Path):
     """The C++ side's view of a file (memory-mapped, header checked) -> lab::ModelFile."""
     from .. import native

@@ -20,6 +20,17 @@ class Loaded:
     folder: Path | None
 
 
+def tokenizer_size(tok) -> int:
+    """Tokens the tokenizer really has: a GGUF-built tokenizer pads its list to the
+    embedding's rows with [PADnnnnnn] placeholders, which are never scored."""
+    import re
+    n = len(tok)
+    pad = re.compile(r"\[PAD\d+\]")
+    while n > 0 and pad.fullmatch(tok.convert_ids_to_tokens(n - 1) or ""):
+        n -= 1
+    return n
+
+
 def load(name_or_path: str, seed: int = 0, tokenizer: bool = True) -> Loaded:
     if name_or_path in TINY:
         c = TINY[name_or_path]
@@ -38,7 +49,7 @@ def load(name_or_path: str, seed: int = 0, tokenizer: bool = True) -> Loaded:
         tok = AutoTokenizer.from_pretrained(str(folder))
     import json
     hf = json.loads((folder / "config.json").read_text())
-    config = ModelConfig.from_hf(hf, tokenizer_size=len(tok) if tok is not None else None)
+    config = ModelConfig.from_hf(hf, tokenizer_size=tokenizer_size(tok) if tok is not None else None)
     if tok is not None:
         eos = {i for i in (tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>"))
                if isinstance(i, int) and i >= 0 and i != tok.unk_token_id}
