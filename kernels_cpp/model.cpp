@@ -24,60 +24,123 @@ namespace lab {
 
 namespace {
 
-struct Vec {
-    float (*dot)(const float*, const float*, int);
-    void (*axpy)(float, const float*, float*, int);
-    void (*f16_to_f32)(const uint16_t*, float*, int);
-};
+// One (kv head, query token) of attention: the `group` query heads that share the KV head
+// score every cached position, softmax, and sum the values. scores: [group][n].
+using AttendFn = void (*)(const float* q, const uint16_t* K, const uint16_t* V, int n, int D, int group,
+                          float scale, float* scores, float* row, float* out);
 
-float dot_scalar(const float* a, const float* b, int n) {
-    float s[8] = {0};
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) s[j] = std::fmaf(a[i + j], b[i + j], s[j]);
-    for (; i < n; i++) s[0] = std::fmaf(a[i], b[i], s[0]);
-    return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
-}
-
-void axpy_scalar(float a, const float* x, float* y, int n) {
-    for (int i = 0; i < n; i++) y[i] = std::fmaf(a, x[i], y[i]);
-}
-
-void f16_scalar(const uint16_t* h, float* f, int n) {
-    for (int i = 0; i < n; i++) f[i] = fp16_to_fp32(h[i]);
+void attend_scalar(const float* q, const uint16_t* K, const uint16_t* V, int n, int D, int group,
+                   float scale, float* scores, float* row, float* out) {
+    for (int t = 0; t < n; t++) {
+        for (int i = 0; i < D; i++) row[i] = fp16_to_fp32(K[(size_t)t * D + i]);
+        for (int g = 0; g < group; g++) {
+            float s = 0.f;
+            for (int i = 0; i < D; i++) s = std::fmaf(q[g * D + i], row[i], s);
+            scores[(size_t)g * n + t] = s * scale;
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float* s = scores + (size_t)g * n;
+        float mx = s[0], sum = 0.f;
+        for (int t = 1; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+        for (int t = 0; t < n; t++) sum += s[t] = std::exp(s[t] - mx);
+        const float inv = 1.0f / sum;
+        for (int t = 0; t < n; t++) s[t] *= inv;
+    }
+    std::memset(out, 0, sizeof(float) * group * D);
+    for (int t = 0; t < n; t++) {
+        for (int i = 0; i < D; i++) row[i] = fp16_to_fp32(V[(size_t)t * D + i]);
+        for (int g = 0; g < group; g++)
+            for (int i = 0; i < D; i++) out[g * D + i] = std::fmaf(scores[(size_t)g * n + t], row[i], out[g * D + i]);
+    }
 }
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-// Same order as dot_scalar: eight lanes, the same tree at the end.
-float dot_avx2(const float* a, const float* b, int n) {
-    __m256 s = _mm256_setzero_ps();
-    int i = 0;
-    for (; i + 8 <= n; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), s);
-    alignas(32) float l[8];
-    _mm256_store_ps(l, s);
-    for (; i < n; i++) l[0] = std::fmaf(a[i], b[i], l[0]);
-    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+// exp(x) for x <= 0: x = k ln2 + r, a degree-6 polynomial for e^r, 2^k through the exponent
+// bits (relative error ~1e-7; underflows to 0 below -87).
+static inline __m256 exp_neg(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.3981999507e-3f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
-void axpy_avx2(float a, const float* x, float* y, int n) {
-    const __m256 va = _mm256_set1_ps(a);
-    int i = 0;
-    for (; i + 8 <= n; i += 8)
-        _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-    for (; i < n; i++) y[i] = std::fmaf(a, x[i], y[i]);
+static inline float hsum(__m256 v) {
+    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-void f16_avx2(const uint16_t* h, float* f, int n) {
+// D is a multiple of 8 (head_dim 64 or 128 in every model the lab knows; checked at load).
+void attend_avx2(const float* q, const uint16_t* K, const uint16_t* V, int n, int D, int group,
+                 float scale, float* scores, float* row, float* out) {
+    for (int t = 0; t < n; t++) {
+        for (int i = 0; i < D; i += 8)
+            _mm256_store_ps(row + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(K + (size_t)t * D + i))));
+        for (int g = 0; g < group; g++) {
+            __m256 s = _mm256_setzero_ps();
+            for (int i = 0; i < D; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), _mm256_load_ps(row + i), s);
+            scores[(size_t)g * n + t] = hsum(s) * scale;
+        }
+    }
+    for (int g = 0; g < group; g++) {
+        float* s = scores + (size_t)g * n;
+        float mx = s[0];
+        for (int t = 1; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 acc = _mm256_setzero_ps();
+        int t = 0;
+        for (; t + 8 <= n; t += 8) {
+            const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
+            _mm256_storeu_ps(s + t, e);
+            acc = _mm256_add_ps(acc, e);
+        }
+        float sum = hsum(acc);
+        for (; t < n; t++) sum += s[t] = std::exp(s[t] - mx);
+        const __m256 inv = _mm256_set1_ps(1.0f / sum);
+        for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
+        for (; t < n; t++) s[t] *= 1.0f / sum;
+    }
+    for (int i = 0; i < group * D; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
+    for (int t = 0; t < n; t++) {
+        for (int i = 0; i < D; i += 8)
+            _mm256_store_ps(row + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(V + (size_t)t * D + i))));
+        for (int g = 0; g < group; g++) {
+            const __m256 p = _mm256_set1_ps(scores[(size_t)g * n + t]);
+            for (int i = 0; i < D; i += 8)
+                _mm256_storeu_ps(out + g * D + i, _mm256_fmadd_ps(p, _mm256_load_ps(row + i), _mm256_loadu_ps(out + g * D + i)));
+        }
+    }
+}
+
+// SiLU(gate) * up over n values, with the same exp.
+void swiglu_avx2(const float* gate, const float* up, float* out, int n) {
     int i = 0;
-    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
-    for (; i < n; i++) f[i] = fp16_to_fp32(h[i]);
+    for (; i + 8 <= n; i += 8) {
+        const __m256 g = _mm256_loadu_ps(gate + i);
+        const __m256 neg = _mm256_min_ps(g, _mm256_sub_ps(_mm256_setzero_ps(), g));      // -|g|
+        const __m256 e = exp_neg(neg);                                                   // e^-|g|
+        const __m256 one = _mm256_set1_ps(1.0f);
+        const __m256 sig_pos = _mm256_div_ps(one, _mm256_add_ps(one, e));               // g >= 0
+        const __m256 sig_neg = _mm256_div_ps(e, _mm256_add_ps(one, e));                 // g < 0
+        const __m256 sig = _mm256_blendv_ps(sig_pos, sig_neg, g);
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
+    }
+    for (; i < n; i++) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 #pragma GCC pop_options
 
-Vec vec_for(int path) {
-    if (path == PATH_SCALAR) return {dot_scalar, axpy_scalar, f16_scalar};
-    return {dot_avx2, axpy_avx2, f16_avx2};
+void swiglu_scalar(const float* gate, const float* up, float* out, int n) {
+    for (int i = 0; i < n; i++) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
 }
 
 void rms_norm(const float* x, const float* w, int n, float eps, float* out) {
@@ -125,7 +188,7 @@ struct Model::Impl {
     bool bind(const char* name, const float*& p, int n);
     void embed_row(int tok, float* out) const;
     int mm(const Mat& W, const float* x, int k, float* y, int rows, ThreadPool* pool, int path);
-    void attention(int layer, int k, int pos, ThreadPool* pool, const Vec& v);
+    void attention(int layer, int k, int pos, ThreadPool* pool, int path);
     int chunk(const int32_t* tok, int k, int pos, float* logits, int mode, float* hidden, int hidden_stride,
               ThreadPool* pool, int path);
 };
@@ -176,8 +239,8 @@ bool Model::load(const char* path, int max_context) {
     m.h = *m.file.header();
     const FileHeader& h = m.h;
     if (max_context < 1) return m.fail("max_context must be at least 1");
-    if (h.head_dim % 2 || h.num_heads % h.num_kv_heads || h.hidden_size % QK)
-        return m.fail("the header's head_dim, heads or hidden size are inconsistent");
+    if (h.head_dim % 8 || h.num_heads % h.num_kv_heads || h.hidden_size % QK)
+        return m.fail("the header's head_dim (a multiple of 8), heads or hidden size are inconsistent");
     m.max_ctx = max_context;
     m.vocab = (int)h.tokenizer_size;
     m.q_dim = h.num_heads * h.head_dim;
@@ -221,7 +284,7 @@ bool Model::load(const char* path, int max_context) {
     m.gu.resize((size_t)K * 2 * I); m.hb.resize((size_t)K * I);
     m.logits_tmp.resize((size_t)K * m.vocab);
     const int group = h.num_heads / h.num_kv_heads;
-    m.scratch.resize((size_t)online_cpus() * ((size_t)group * max_context + 2 * h.head_dim) + 64);
+    m.scratch.resize((size_t)online_cpus() * ((size_t)group * max_context + h.head_dim + 16) + 64);
     m.loaded = true;
     return true;
 }
@@ -278,37 +341,21 @@ int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, T
     return matmul(pm, acts, y, rows, path, pool, 0) == MM_OK ? E_OK : E_PATH;
 }
 
-void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, const Vec& v) {
+void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int path) {
     const int D = h.head_dim, KV = h.num_kv_heads, group = h.num_heads / KV;
     const float scale = (float)std::pow((double)D, -0.5);
-    const size_t per_thread = (size_t)group * max_ctx + 2 * D;
+    const size_t per_thread = (size_t)group * max_ctx + D + 16;
+    const AttendFn attend = path == PATH_SCALAR ? attend_scalar : attend_avx2;
     // one task per (kv head, token): its query heads read each K and V row once
     for_range(pool, KV * k, 1, [&](int b, int e, int tid) {
         float* scores = scratch.data() + (size_t)tid * per_thread;
-        float* row = scores + (size_t)group * max_ctx;
+        float* row = (float*)(((uintptr_t)(scores + (size_t)group * max_ctx) + 31) & ~(uintptr_t)31);
         for (int task = b; task < e; task++) {
-            const int kvh = task / k, j = task % k, n = pos + j + 1;
-            const uint16_t* K = kcache.data() + (((size_t)layer * KV + kvh) * max_ctx) * D;
-            const uint16_t* V = vcache.data() + (((size_t)layer * KV + kvh) * max_ctx) * D;
-            const float* q = qkv.data() + (size_t)j * qkv_rows + (size_t)kvh * group * D;
-            for (int t = 0; t < n; t++) {
-                v.f16_to_f32(K + (size_t)t * D, row, D);
-                for (int g = 0; g < group; g++) scores[(size_t)g * max_ctx + t] = v.dot(q + g * D, row, D) * scale;
-            }
-            float* out = att.data() + (size_t)j * q_dim + (size_t)kvh * group * D;
-            std::memset(out, 0, sizeof(float) * group * D);
-            for (int g = 0; g < group; g++) {
-                float* s = scores + (size_t)g * max_ctx;
-                float mx = s[0];
-                for (int t = 1; t < n; t++) mx = s[t] > mx ? s[t] : mx;
-                float sum = 0.f;
-                for (int t = 0; t < n; t++) { s[t] = std::exp(s[t] - mx); sum += s[t]; }
-                for (int t = 0; t < n; t++) s[t] /= sum;
-            }
-            for (int t = 0; t < n; t++) {
-                v.f16_to_f32(V + (size_t)t * D, row, D);
-                for (int g = 0; g < group; g++) v.axpy(scores[(size_t)g * max_ctx + t], row, out + g * D, D);
-            }
+            const int kvh = task / k, j = task % k;
+            const size_t base = (((size_t)layer * KV + kvh) * max_ctx) * D;
+            attend(qkv.data() + (size_t)j * qkv_rows + (size_t)kvh * group * D, kcache.data() + base,
+                   vcache.data() + base, pos + j + 1, D, group, scale, scores, row,
+                   att.data() + (size_t)j * q_dim + (size_t)kvh * group * D);
         }
     });
 }
@@ -317,7 +364,6 @@ int Model::Impl::chunk(const int32_t* tok, int k, int pos, float* logits, int mo
                        int hidden_stride, ThreadPool* pool, int path) {
     const int H = h.hidden_size, I = h.intermediate_size, D = h.head_dim, half = D / 2;
     const float eps = (float)h.rms_eps;
-    const Vec v = vec_for(path);
     for (int j = 0; j < k; j++) embed_row(tok[j], &x[(size_t)j * H]);
     for (uint32_t l = 0; l < h.num_layers; l++) {
         const Layer& L = layers[l];
@@ -347,16 +393,18 @@ int Model::Impl::chunk(const int32_t* tok, int k, int pos, float* logits, int mo
                 }
             }
         }
-        attention(l, k, pos, pool, v);
+        attention(l, k, pos, pool, path);
         if ((rc = mm(L.o, att.data(), k, tmp.data(), H, pool, path))) return rc;
         for (size_t i = 0; i < (size_t)k * H; i++) x[i] += tmp[i];
         for (int j = 0; j < k; j++) rms_norm(&x[(size_t)j * H], L.ffn_norm, H, eps, &xn[(size_t)j * H]);
         if ((rc = mm(L.gate_up, xn.data(), k, gu.data(), 2 * I, pool, path))) return rc;
-        for (int j = 0; j < k; j++)
-            for (int i = 0; i < I; i++) {
-                const float g = gu[(size_t)j * 2 * I + i], u = gu[(size_t)j * 2 * I + I + i];
-                hb[(size_t)j * I + i] = g / (1.0f + std::exp(-g)) * u;
+        const auto swiglu = path == PATH_SCALAR ? swiglu_scalar : swiglu_avx2;
+        for_range(pool, k * 8, 1, [&](int b, int e, int) {       // eighths of each token's row
+            for (int c = b; c < e; c++) {
+                const int j = c / 8, lo = I * (c % 8) / 8 / 8 * 8, hi = (c % 8 == 7) ? I : I * (c % 8 + 1) / 8 / 8 * 8;
+                swiglu(&gu[(size_t)j * 2 * I + lo], &gu[(size_t)j * 2 * I + I + lo], &hb[(size_t)j * I + lo], hi - lo);
             }
+        });
         if ((rc = mm(L.down, hb.data(), k, tmp.data(), H, pool, path))) return rc;
         for (size_t i = 0; i < (size_t)k * H; i++) x[i] += tmp[i];
         if (hidden)

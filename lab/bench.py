@@ -324,3 +324,36 @@ def overhead(target, draft=None, gamma: int = 4, tokens: int = 64) -> dict:
         r = target.speculate(prompt, d, gamma=gamma, max_new_tokens=tokens, temperature=temp, seed=1)
         out[f"o_{label}"] = r.t_sample / r.rounds / step
     return out
+
+
+def speculative_bench(target: str, draft: str | None, prompt_ids: list[tuple[str, list[int]]],
+                      gammas=(4,), scheme: str = "q4-q8out", threads: int | None = None,
+                      max_new_tokens: int = 128, lookup: bool = True) -> dict:
+    """Greedy plain against greedy speculative decoding (draft model and prompt lookup) on
+    the same prompts, run back to back: generation tokens/s (prompt pass apart), speedup,
+    acceptance, tokens per round — and a check that every speculative output equals plain."""
+    from .engine import Engine
+    from .models.export import engine_file
+    pool = kernels.Pool(threads)
+    t = Engine(engine_file(target, scheme), pool=pool)
+    drafts = {}
+    if draft:
+        drafts[f"draft-{draft}"] = Engine(engine_file(draft, scheme), pool=pool)
+    if lookup:
+        drafts["lookup"] = "lookup"
+    rows = []
+    for label, ids in prompt_ids:
+        plain = t.generate(ids, max_new_tokens)
+        for name, d in drafts.items():
+            for g in gammas:
+                r = t.speculate(ids, d, gamma=g, max_new_tokens=max_new_tokens)
+                if r.tokens != plain.tokens:
+                    raise RuntimeError(f"speculative output differs from plain on {label} ({name}, gamma {g})")
+                rows.append({"prompt": label, "drafter": name, "gamma": g, "new_tokens": len(r.tokens),
+                             "plain_tokens_per_s": plain.tokens_per_s, "tokens_per_s": r.tokens_per_s,
+                             "speedup": r.tokens_per_s / plain.tokens_per_s, "acceptance": r.acceptance,
+                             "tokens_per_round": r.tokens_per_round, "prompt_tokens": r.prompt_tokens,
+                             "prompt_tokens_per_s": r.prompt_tokens_per_s,
+                             "wall_speedup": plain.t_total / r.t_total})
+    return {"machine": machine(), "target": target, "draft": draft, "format": scheme,
+            "threads": pool.threads, "max_new_tokens": max_new_tokens, "rows": rows}

@@ -238,3 +238,6 @@ def test_perplexity_matches_transformers():
         n += 63
     assert abs(ppl - np.exp(nll / n)) / ppl < 1e-4
     assert perplexity(Twin(c, w, "q4"), ids, window=64) > 0
+    from lab.models.perplexity import VARIANTS, table
+    rows = table(c, w, ids, window=64, count=1)
+    assert [r["variant"] for r in rows] == list(VARIANTS) and rows[0]["perplexity"] > 1

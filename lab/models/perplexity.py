@@ -63,7 +63,8 @@ def build(variant: str, config, weights, max_context: int = 2048):
         raise ValueError(f"variant={variant!r}: choose from {', '.join(VARIANTS)}")
     if config.tie_embeddings:
         weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
-    deq = {n: (torch.from_numpy(q.dequantize()) if hasattr(q, "dequantize") else q)
+    from ..formats import QTensor
+    deq = {n: (torch.from_numpy(q.dequantize()) if isinstance(q, QTensor) else q)
            for n, q in quantize_weights(weights, variant).items()}
     if config.tie_embeddings:
         deq["model.embed_tokens.weight"] = deq["lm_head.weight"]

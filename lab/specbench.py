@@ -1,0 +1,34 @@
+"""Spec-Bench development prompts (lab/data/specbench/, Apache-2.0): six groups of 16."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent / "data" / "specbench" / "dev.jsonl"
+GROUPS = ("multiturn", "translation", "summarization", "qa", "math_reasoning", "rag")
+_MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+def group_of(category: str) -> str:
+    return "multiturn" if category in _MT_BENCH else category
+
+
+def prompts(groups=GROUPS, per_group: int | None = None) -> list[dict]:
+    """[{id, group, turns}] in file order, at most per_group from each group."""
+    out, seen = [], {}
+    for line in DATA.read_text().splitlines():
+        row = json.loads(line)
+        g = group_of(row["category"])
+        if g not in groups or (per_group and seen.get(g, 0) >= per_group):
+            continue
+        seen[g] = seen.get(g, 0) + 1
+        out.append({"id": row["question_id"], "group": g, "turns": row["turns"]})
+    return out
+
+
+def chat_ids(tokenizer, turns: list[str], thinking: bool = False) -> list[int]:
+    """The first turn as a chat prompt (later turns need the model's own answers)."""
+    extra = {} if thinking is None else {"enable_thinking": thinking}
+    text = tokenizer.apply_chat_template([{"role": "user", "content": turns[0]}], add_generation_prompt=True,
+                                         tokenize=False, **extra)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
