@@ -94,9 +94,13 @@ int Generator::run(const int32_t* prompt, int n_prompt, const GenParams& gp, int
     int tpos = n_prompt - 1, dpos = 0, rc = E_OK;
 
     stats_.prompt_tokens = n_prompt;
-    if (tpos > 0) {
+    if (tpos > 0) {                              // the prompt pass: target, and draft alike
         Timer t(stats_.t_prompt);
         if ((rc = target_->forward(prompt, tpos, 0, nullptr, LOGITS_NONE, nullptr, pool_, path_))) return rc;
+        if (gp.mode == GEN_DRAFT) {
+            if ((rc = draft_->forward(prompt, tpos, 0, nullptr, LOGITS_NONE, nullptr, pool_, path_))) return rc;
+            dpos = tpos;
+        }
     }
     int32_t guess[MAX_K];
     bool stop = false;

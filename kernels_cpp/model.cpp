@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -319,6 +320,8 @@ void Model::Impl::embed_row(int tok, float* out) const {
 
 // y[t * rows + r] for the first `rows` rows of W (the output layer stops at the tokenizer).
 int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, ThreadPool* pool, int path) {
+    // tiles handed out in small chunks: on a shared machine one thread often runs late
+    constexpr int chunk_tiles = 8;
     if (W.fmt == FMT_F32) {
         const int cols = W.cols;
         for_range(pool, rows, 0, [&](int b, int e, int) {
@@ -338,7 +341,7 @@ int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, T
     PackedMat pm = W.pm;
     pm.rows = rows;
     pm.tiles = (rows + TILE - 1) / TILE;
-    return matmul(pm, acts, y, rows, path, pool, 0) == MM_OK ? E_OK : E_PATH;
+    return matmul(pm, acts, y, rows, path, pool, chunk_tiles) == MM_OK ? E_OK : E_PATH;
 }
 
 void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int path) {
