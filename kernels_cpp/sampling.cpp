@@ -55,6 +55,14 @@ void warp(const float* logits, int n, const SampleParams& sp, float* probs) {
         probs[top] = 1.f;
         return;
     }
+    if ((sp.top_k <= 0 || sp.top_k >= n) && sp.top_p >= 1.f) {     // temperature alone: no sorting
+        const float mx = logits[top], inv_t = 1.0f / sp.temperature;
+        double z = 0;
+        for (int i = 0; i < n; i++) z += probs[i] = std::exp((logits[i] - mx) * inv_t);
+        const float inv = (float)(1.0 / z);
+        for (int i = 0; i < n; i++) probs[i] *= inv;
+        return;
+    }
     std::vector<int> idx(n);
     std::iota(idx.begin(), idx.end(), 0);
     auto before = [&](int a, int b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); };
