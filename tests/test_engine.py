@@ -255,3 +255,16 @@ def test_bad_requests_are_exceptions(files, pool, tmp_path):
         Engine(tmp_path / "alien.lab", pool=pool)
     with pytest.raises(EngineError, match="no weights file"):
         Engine(tmp_path / "missing.lab", pool=pool)
+
+
+def test_lab_generate_streams_and_reports(tmp_path):
+    import os
+    import subprocess
+    import sys
+    env = dict(os.environ, LAB_MODELS=str(tmp_path))
+    r = subprocess.run([sys.executable, "-m", "lab.cli", "generate", "5 6 7 8", "--model", "tiny-qwen2",
+                        "--max-new-tokens", "12", "--lookup", "--gamma", "3"], capture_output=True, text=True,
+                       env=env, timeout=300, cwd=native.SOURCE_DIR.parent)
+    assert r.returncode == 0, r.stderr
+    assert len(r.stdout.split()) == 12
+    assert "tokens/round" in r.stderr and "generation: 12 tokens" in r.stderr

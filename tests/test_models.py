@@ -241,3 +241,15 @@ def test_perplexity_matches_transformers():
     from lab.models.perplexity import VARIANTS, table
     rows = table(c, w, ids, window=64, count=1)
     assert [r["variant"] for r in rows] == list(VARIANTS) and rows[0]["perplexity"] > 1
+
+
+def test_local_folder_loads(tmp_path):
+    from lab.models.load import load
+    c = TINY["tiny-llama"]
+    w = tiny_weights(c, seed=2)
+    hf_model(c, w).save_pretrained(tmp_path / "m")
+    m = load(str(tmp_path / "m"), tokenizer=False)
+    assert m.config.arch == "llama" and m.config.hidden_size == c.hidden_size
+    assert torch.equal(m.weights["model.layers.1.mlp.down_proj.weight"], w["model.layers.1.mlp.down_proj.weight"])
+    with pytest.raises(registry.ModelError, match="config.json"):
+        registry.resolve(str(tmp_path))
