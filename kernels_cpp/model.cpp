@@ -81,16 +81,35 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-// D is a multiple of 8 (head_dim 64 or 128 in every model the lab knows; checked at load).
+// Eight dot-product accumulators -> one register of their eight sums.
+static inline __m256 sum8(const __m256* a) {
+    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// D is a multiple of 8 (checked at load). Scores go eight positions at a time: the K rows
+// are converted once into `row` (8 x D floats) and serve every query head of the group.
 void attend_avx2(const float* q, const uint16_t* K, const uint16_t* V, int n, int D, int group,
                  float scale, float* scores, float* row, float* out) {
-    for (int t = 0; t < n; t++) {
-        for (int i = 0; i < D; i += 8)
-            _mm256_store_ps(row + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(K + (size_t)t * D + i))));
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int t0 = 0; t0 < n; t0 += 8) {
+        const int m = n - t0 < 8 ? n - t0 : 8;
+        for (int p = 0; p < 8; p++)
+            for (int i = 0; i < D; i += 8)
+                _mm256_store_ps(row + p * D + i, p < m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(K + (size_t)(t0 + p) * D + i)))
+                                                       : _mm256_setzero_ps());
         for (int g = 0; g < group; g++) {
-            __m256 s = _mm256_setzero_ps();
-            for (int i = 0; i < D; i += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + i), _mm256_load_ps(row + i), s);
-            scores[(size_t)g * n + t] = hsum(s) * scale;
+            __m256 acc[8];
+            for (int p = 0; p < 8; p++) acc[p] = _mm256_setzero_ps();
+            for (int i = 0; i < D; i += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + g * D + i);
+                for (int p = 0; p < 8; p++) acc[p] = _mm256_fmadd_ps(qv, _mm256_load_ps(row + p * D + i), acc[p]);
+            }
+            alignas(32) float sc[8];
+            _mm256_store_ps(sc, _mm256_mul_ps(sum8(acc), vscale));
+            std::memcpy(scores + (size_t)g * n + t0, sc, m * sizeof(float));
         }
     }
     for (int g = 0; g < group; g++) {
@@ -107,9 +126,10 @@ void attend_avx2(const float* q, const uint16_t* K, const uint16_t* V, int n, in
         }
         float sum = hsum(acc);
         for (; t < n; t++) sum += s[t] = std::exp(s[t] - mx);
-        const __m256 inv = _mm256_set1_ps(1.0f / sum);
-        for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), inv));
-        for (; t < n; t++) s[t] *= 1.0f / sum;
+        const float inv = 1.0f / sum;
+        const __m256 vinv = _mm256_set1_ps(inv);
+        for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), vinv));
+        for (; t < n; t++) s[t] *= inv;
     }
     for (int i = 0; i < group * D; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
     for (int t = 0; t < n; t++) {
@@ -285,7 +305,7 @@ bool Model::load(const char* path, int max_context) {
     m.gu.resize((size_t)K * 2 * I); m.hb.resize((size_t)K * I);
     m.logits_tmp.resize((size_t)K * m.vocab);
     const int group = h.num_heads / h.num_kv_heads;
-    m.scratch.resize((size_t)online_cpus() * ((size_t)group * max_context + h.head_dim + 16) + 64);
+    m.scratch.resize((size_t)online_cpus() * ((size_t)group * max_context + 8 * h.head_dim + 16) + 64);
     m.loaded = true;
     return true;
 }
@@ -347,7 +367,7 @@ int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, T
 void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int path) {
     const int D = h.head_dim, KV = h.num_kv_heads, group = h.num_heads / KV;
     const float scale = (float)std::pow((double)D, -0.5);
-    const size_t per_thread = (size_t)group * max_ctx + D + 16;
+    const size_t per_thread = (size_t)group * max_ctx + 8 * D + 16;
     const AttendFn attend = path == PATH_SCALAR ? attend_scalar : attend_avx2;
     // one task per (kv head, token): its query heads read each K and V row once
     for_range(pool, KV * k, 1, [&](int b, int e, int tid) {
