@@ -216,7 +216,9 @@ public:
     ~ModelFile();
     ModelFile(const ModelFile&) = delete;
     ModelFile& operator=(const ModelFile&) = delete;
-    bool open(const char* path);    // false: error() says what is wrong
+    // false: error() says what is wrong. With in_memory the checked file is copied onto
+    // 2 MB pages (a decode step streams every byte; 4 KB page-cache pages cost TLB misses).
+    bool open(const char* path, bool in_memory = false);
     const char* error() const { return err_; }
     const FileHeader* header() const { return (const FileHeader*)base_; }
     const TensorEntry* find(const char* name) const;   // nullptr when absent
@@ -228,6 +230,7 @@ private:
     bool fail(const char* fmt, ...);
     const uint8_t* base_ = nullptr;
     int64_t size_ = 0;
+    bool owned_ = false;            // base_ is our copy rather than the mapping
     char err_[512] = {0};
 };
 
@@ -248,7 +251,7 @@ public:
     ~Model();
     Model(const Model&) = delete;
     Model& operator=(const Model&) = delete;
-    bool load(const char* path, int max_context);    // false: error() says why
+    bool load(const char* path, int max_context, bool in_memory = true);   // false: error() says why
     const char* error() const;
     const FileHeader& config() const;
     int max_context() const;

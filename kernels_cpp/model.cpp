@@ -253,10 +253,10 @@ int64_t Model::weight_bytes() const {
     return total;
 }
 
-bool Model::load(const char* path, int max_context) {
+bool Model::load(const char* path, int max_context, bool in_memory) {
     Impl& m = *impl_;
     if (m.loaded) return m.fail("this Model is already loaded");
-    if (!m.file.open(path)) return m.fail(m.file.error());
+    if (!m.file.open(path, in_memory)) return m.fail(m.file.error());
     m.h = *m.file.header();
     const FileHeader& h = m.h;
     if (max_context < 1) return m.fail("max_context must be at least 1");

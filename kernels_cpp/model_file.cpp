@@ -9,6 +9,7 @@
 #include <cerrno>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 
 #include "formats.h"
@@ -22,7 +23,8 @@ static_assert(sizeof(TensorEntry) == 128, "TensorEntry is 128 bytes");
 ModelFile::ModelFile() = default;
 
 ModelFile::~ModelFile() {
-    if (base_) munmap((void*)base_, (size_t)size_);
+    if (owned_) std::free((void*)base_);
+    else if (base_) munmap((void*)base_, (size_t)size_);
 }
 
 bool ModelFile::fail(const char* fmt, ...) {
@@ -33,7 +35,7 @@ bool ModelFile::fail(const char* fmt, ...) {
     return false;
 }
 
-bool ModelFile::open(const char* path) {
+bool ModelFile::open(const char* path, bool in_memory) {
     if (base_) return fail("this ModelFile is already open");
     const int fd = ::open(path, O_RDONLY);
     if (fd < 0) return fail("cannot open %s: %s", path, std::strerror(errno));
@@ -81,6 +83,14 @@ bool ModelFile::open(const char* path) {
         const uint64_t end = e.offset + ((e.scales_bytes + 63) / 64 * 64) + e.data_bytes;
         if (e.offset % 64 || e.offset < h.data_offset || end > h.data_offset + h.data_size)
             return fail("%s: tensor %s lies outside the data region (truncated?)", path, e.name);
+    }
+    if (in_memory) {
+        void* copy = alloc_huge((size_t)size_);
+        if (!copy) return fail("%s: no memory for a %lld-byte copy", path, (long long)size_);
+        std::memcpy(copy, base_, (size_t)size_);
+        munmap((void*)base_, (size_t)size_);
+        base_ = (const uint8_t*)copy;
+        owned_ = true;
     }
     return true;
 }
