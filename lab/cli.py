@@ -118,6 +118,22 @@ def cmd_models(args) -> int:
             check = " sha256 ok" if r["verified"] else ""
             print(f"{r['name']:20s} {state:8s}{size}{check}  {r['description']}")
         return 0
+    if args.action == "compare":
+        from .models.compare import against_transformers
+        for name in args.names:
+            print(json.dumps(against_transformers(name)))
+        return 0
+    if args.action == "ppl":
+        from .models import perplexity as P
+        from .models.load import load
+        for name in args.names:
+            m = load(name)
+            if m.tokenizer is None:
+                raise LabError(f"{name} has no tokenizer: perplexity needs a real model (lab models list)")
+            ids = m.tokenizer(P.stdlib_text())["input_ids"]
+            for row in P.table(m.config, m.weights, ids, window=args.window, count=args.windows, progress=True):
+                print(json.dumps({"model": name, **row}), flush=True)
+        return 0
     if args.action == "export":
         from .models.export import engine_file
         for name in args.names:
@@ -198,8 +214,11 @@ def parser() -> argparse.ArgumentParser:
     info.set_defaults(fn=cmd_info)
 
     m = sub.add_parser("models", help="the models the lab knows: list, fetch")
-    m.add_argument("action", choices=["list", "fetch", "export"])
-    m.add_argument("names", nargs="*", help="models to fetch or export")
+    m.add_argument("action", choices=["list", "fetch", "export", "compare", "ppl"],
+                   help="compare: the reference against transformers; ppl: perplexity per format")
+    m.add_argument("names", nargs="*", help="models to act on")
+    m.add_argument("--window", type=int, default=256, help="ppl: tokens per window")
+    m.add_argument("--windows", type=int, default=8, help="ppl: how many windows")
     m.add_argument("--scheme", default="q4-q8out", help="export: f32, q8, q4 or q4-q8out")
     m.add_argument("--json", action="store_true")
     m.set_defaults(fn=cmd_models)
