@@ -170,7 +170,10 @@ static void tiles(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int
         for (int b = 0; b < nb; b++) {
             const uint8_t* qb = qt + (int64_t)b * CH * 64;
             // the weights stream from memory once: ask for them well before they are needed
-            for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + PREFETCH * CH / 2 + g * 64), _MM_HINT_T0);
+            for (int g = 0; g < CH; g++) {
+                _mm_prefetch((const char*)(qb + PREFETCH * CH / 2 + g * 64), _MM_HINT_T0);
+                _mm_prefetch((const char*)(qb + PREFETCH * CH * 2 + g * 64), _MM_HINT_T1);
+            }
             if ((b & 1) == 0) _mm_prefetch((const char*)(dt + b * TILE + PREFETCH / 8), _MM_HINT_T0);
             const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(dt + b * TILE)));
             __m512i w[8];                                   // w[j] meets activation bytes 4j..4j+3
