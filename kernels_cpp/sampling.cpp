@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "lab.h"
+#include "vmath.h"
 
 namespace lab {
 
@@ -46,6 +47,34 @@ static int argmax(const float* x, int n) {
     return best;
 }
 
+// e^((l - mx) / T) for every logit, and their sum: the part of warping that touches all
+// ~152k entries every time.
+static double softmax_numerators_scalar(const float* l, int n, float mx, float inv_t, float* out) {
+    double z = 0;
+    for (int i = 0; i < n; i++) z += out[i] = std::exp((l[i] - mx) * inv_t);
+    return z;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+static double softmax_numerators_avx2(const float* l, int n, float mx, float inv_t, float* out) {
+    const __m256 vmx = _mm256_set1_ps(mx), vt = _mm256_set1_ps(inv_t);
+    __m256d z4 = _mm256_setzero_pd();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        const __m256 e = exp_neg(_mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(l + i), vmx), vt));
+        _mm256_storeu_ps(out + i, e);
+        z4 = _mm256_add_pd(z4, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(e)),
+                                             _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1))));
+    }
+    alignas(32) double zz[4];
+    _mm256_store_pd(zz, z4);
+    double z = (zz[0] + zz[1]) + (zz[2] + zz[3]);
+    for (; i < n; i++) z += out[i] = std::exp((l[i] - mx) * inv_t);
+    return z;
+}
+#pragma GCC pop_options
+
 // Top-k keeps the k largest logits, ties broken toward the lower token id; top-p then keeps
 // the shortest prefix of those (most probable first) whose mass reaches top_p.
 void warp(const float* logits, int n, const SampleParams& sp, float* probs) {
@@ -56,9 +85,10 @@ void warp(const float* logits, int n, const SampleParams& sp, float* probs) {
         return;
     }
     if ((sp.top_k <= 0 || sp.top_k >= n) && sp.top_p >= 1.f) {     // temperature alone: no sorting
+        static const bool simd = path_supported(PATH_AVX2);
         const float mx = logits[top], inv_t = 1.0f / sp.temperature;
-        double z = 0;
-        for (int i = 0; i < n; i++) z += probs[i] = std::exp((logits[i] - mx) * inv_t);
+        const double z = simd ? softmax_numerators_avx2(logits, n, mx, inv_t, probs)
+                              : softmax_numerators_scalar(logits, n, mx, inv_t, probs);
         const float inv = (float)(1.0 / z);
         for (int i = 0; i < n; i++) probs[i] *= inv;
         return;
