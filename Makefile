@@ -32,12 +32,12 @@ test: native
 	$(PY) -m pytest -q
 
 report: native
-	@mkdir -p $(OUT)
-	$(VENV)/bin/lab info
-	$(VENV)/bin/lab bench bandwidth --json > $(OUT)/bandwidth.json.tmp && mv $(OUT)/bandwidth.json.tmp $(OUT)/bandwidth.json
-	$(VENV)/bin/lab bench kernels --json > $(OUT)/kernels.json.tmp && mv $(OUT)/kernels.json.tmp $(OUT)/kernels.json
-	@$(PY) -c 'import json; from lab.cli import _print_bandwidth, _print_kernels; \
-	  _print_bandwidth(json.load(open("$(OUT)/bandwidth.json"))); _print_kernels(json.load(open("$(OUT)/kernels.json")))'
+	$(VENV)/bin/lab models fetch qwen2.5-coder-1.5b qwen2.5-coder-0.5b
+	$(VENV)/bin/lab run --profile default
+	$(VENV)/bin/lab bench kernels --json > $(OUT)/default/kernels.json.tmp && mv $(OUT)/default/kernels.json.tmp $(OUT)/default/kernels.json
+	$(VENV)/bin/lab bench decode --json > $(OUT)/default/decode.json.tmp && mv $(OUT)/default/decode.json.tmp $(OUT)/default/decode.json
+	$(VENV)/bin/lab bench vk --json > $(OUT)/default/vk.json.tmp && mv $(OUT)/default/vk.json.tmp $(OUT)/default/vk.json
+	@echo "report: $(OUT)/default/index.html"
 
 lab: setup
 	$(VENV)/bin/jupyter lab --notebook-dir=notebooks $(JUPYTER_ARGS)

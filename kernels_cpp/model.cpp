@@ -233,7 +233,9 @@ int64_t Model::weight_bytes() const {
                                   : packed_scale_count(w.rows, w.cols) * 2 + packed_byte_count(w.fmt, w.rows, w.cols);
     };
     for (const Layer& l : m.layers) { add(l.qkv); add(l.o); add(l.gate_up); add(l.down); }
-    add(m.output);
+    Mat out = m.output;                  // only the tokenizer's rows are ever read
+    out.rows = m.vocab;
+    add(out);
     return total;
 }
 

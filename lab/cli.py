@@ -2,6 +2,7 @@
 
   lab info                       this CPU, its kernel paths, and the native build
   lab models list|fetch NAME     the models the lab knows; get one into the cache
+  lab run [NOTEBOOK...]          notebooks -> HTML reports under a profile (papermill)
   lab bench bandwidth [--json]   read (and copy/triad) bandwidth against thread count
   lab bench kernels [--json]     each kernel and k against the read ceiling and issue peak
 """
@@ -205,6 +206,14 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_run(args) -> int:
+    from . import profiles, runner
+    index = runner.run(args.notebooks or None, args.profile, profiles.parse_set(args.set), args.out)
+    entries = json.loads((index.parent / "index.json").read_text())["entries"]
+    print(index)
+    return 1 if any(e["status"] != "ok" for e in entries if e["notebook"] in (args.notebooks or profiles.notebooks())) else 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lab", description="Speculative decoding on a CPU: the lab's command.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -212,6 +221,13 @@ def parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="this CPU, its kernel paths and the native build")
     info.add_argument("--json", action="store_true")
     info.set_defaults(fn=cmd_info)
+
+    r = sub.add_parser("run", help="execute notebooks with papermill into HTML reports and an index")
+    r.add_argument("notebooks", nargs="*", help="notebook names (default: all)")
+    r.add_argument("--profile", default="quick", help="a profile in params/ (quick, default, qwen3) or a .yaml path")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a parameter")
+    r.add_argument("--out", help="output folder (default: outputs/<profile>)")
+    r.set_defaults(fn=cmd_run)
 
     m = sub.add_parser("models", help="the models the lab knows: list, fetch")
     m.add_argument("action", choices=["list", "fetch", "export", "compare", "ppl"],

@@ -1,0 +1,113 @@
+"""`lab run`: execute notebooks with papermill under a profile into outputs/<profile>/ —
+each as an executed .ipynb, an HTML report (code hidden, charts embedded) and its results
+as JSON — then write index.html linking them with their headline figures. A notebook that
+fails does not stop the others, and never replaces an earlier good report."""
+from __future__ import annotations
+
+import datetime
+import html
+import json
+import os
+import shutil
+import sys
+import traceback
+from pathlib import Path
+
+from . import profiles
+from .bench import machine
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _html(ipynb: Path, out: Path) -> None:
+    import nbformat
+    from nbconvert import HTMLExporter
+    exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
+    body, _ = exporter.from_notebook_node(nbformat.read(str(ipynb), as_version=4))
+    out.write_text(body)
+
+
+def run_one(nb: str, params: dict, out: Path, profile: str) -> dict:
+    import papermill
+    stage = out / ".staging" / nb
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    started = datetime.datetime.now()
+    old = os.environ.get("LAB_RESULTS_DIR")
+    os.environ["LAB_RESULTS_DIR"] = str(stage)
+    entry = {"notebook": nb, "profile": profile, "started": started.isoformat(timespec="seconds")}
+    try:
+        papermill.execute_notebook(str(profiles.NOTEBOOKS / f"{nb}.ipynb"), str(stage / f"{nb}.ipynb"),
+                                   parameters=params, cwd=str(profiles.NOTEBOOKS), progress_bar=True,
+                                   kernel_name="python3")
+        _html(stage / f"{nb}.ipynb", stage / f"{nb}.html")
+        results = stage / f"{nb}.json"
+        entry["headline"] = json.loads(results.read_text()).get("headline", {}) if results.exists() else {}
+        for f in stage.iterdir():                        # only now replace the previous report
+            os.replace(f, out / f.name)
+        entry.update(status="ok", html=f"{nb}.html")
+    except Exception as e:                               # noqa: BLE001 - reported in the index
+        failed = stage / f"{nb}.ipynb"
+        if failed.exists():
+            os.replace(failed, out / f"{nb}.failed.ipynb")
+        msg = str(e).strip().splitlines()
+        entry.update(status="failed", error=(msg[-1] if msg else type(e).__name__)[:500])
+        traceback.print_exc(file=sys.stderr)
+    finally:
+        if old is None:
+            os.environ.pop("LAB_RESULTS_DIR", None)
+        else:
+            os.environ["LAB_RESULTS_DIR"] = old
+        shutil.rmtree(stage, ignore_errors=True)
+    entry["seconds"] = round((datetime.datetime.now() - started).total_seconds(), 1)
+    return entry
+
+
+def write_index(out: Path, entries: list[dict], profile: str) -> Path:
+    """Merges this run's entries with earlier ones (notebooks not run keep their rows)."""
+    idx = out / "index.json"
+    prev = {e["notebook"]: e for e in json.loads(idx.read_text())["entries"]} if idx.exists() else {}
+    for e in entries:
+        if e["status"] == "failed" and e["notebook"] in prev and prev[e["notebook"]].get("status") == "ok":
+            e["previous_report"] = prev[e["notebook"]].get("html")
+        prev[e["notebook"]] = e
+    m = machine()
+    idx.write_text(json.dumps({"profile": profile, "machine": m, "entries": list(prev.values())}, indent=1))
+    rows = []
+    for e in sorted(prev.values(), key=lambda e: e["notebook"]):
+        figs = "<br>".join(f"{html.escape(str(k))}: <b>{html.escape(str(v))}</b>" for k, v in e.get("headline", {}).items())
+        if e["status"] == "ok":
+            link = f"<a href='{html.escape(e['html'])}'>{html.escape(e['notebook'])}</a>"
+            state = "ok"
+        else:
+            link = html.escape(e["notebook"])
+            if e.get("previous_report"):
+                link += f" (<a href='{html.escape(e['previous_report'])}'>last good report</a>)"
+            state = f"<span style='color:#b00'>failed: {html.escape(e.get('error', ''))}</span>"
+        rows.append(f"<tr><td>{link}</td><td>{state}</td><td>{figs}</td><td>{e.get('seconds', '')}</td>"
+                    f"<td>{html.escape(e.get('started', ''))}</td></tr>")
+    page = f"""<!DOCTYPE html><html><head><meta charset="utf-8"><title>lab — {html.escape(profile)}</title>
+<style>body{{font-family:Helvetica,Arial,sans-serif;margin:2em;max-width:70em}}td,th{{padding:.4em .8em;
+border-bottom:1px solid #ddd;text-align:left;vertical-align:top}}</style></head><body>
+<h1>Speculative decoding on a CPU — profile <i>{html.escape(profile)}</i></h1>
+<p>Machine: {html.escape(str(m['cpu']))}, {m['logical_cpus']} logical CPUs, kernel path {html.escape(m['kernel_path'])},
+commit {html.escape(str(m['commit']))}, {html.escape(m['date'])}</p>
+<table><tr><th>section</th><th>status</th><th>headline figures</th><th>seconds</th><th>run at</th></tr>
+{''.join(rows)}</table></body></html>"""
+    (out / "index.html").write_text(page)
+    return out / "index.html"
+
+
+def run(selected: list[str] | None, profile: str = "quick", overrides: dict | None = None,
+        out_dir: str | None = None) -> Path:
+    names = selected or profiles.notebooks()
+    params = profiles.load(profile, names, overrides)       # every profile error before anything runs
+    pname = Path(profile).stem
+    out = Path(out_dir) if out_dir else ROOT / "outputs" / pname
+    out.mkdir(parents=True, exist_ok=True)
+    entries = []
+    for i, nb in enumerate(names, 1):
+        print(f"[{i}/{len(names)}] {nb} ({pname})", file=sys.stderr, flush=True)
+        entries.append(run_one(nb, params[nb], out, pname))
+        print(f"    {entries[-1]['status']} in {entries[-1]['seconds']} s", file=sys.stderr, flush=True)
+    return write_index(out, entries, pname)

@@ -1,0 +1,71 @@
+"""`lab run`: profiles are checked before anything runs; a failing notebook is reported in
+the index while the others complete and earlier good reports stay."""
+import json
+
+import nbformat
+import pytest
+
+from lab import profiles, runner
+
+
+def _nb(path, body, default="1"):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    p = nbformat.v4.new_code_cell(f"n = {default}")
+    p.metadata["tags"] = ["parameters"]
+    nb.cells = [p, nbformat.v4.new_code_cell(body)]
+    nbformat.write(nb, str(path))
+
+
+@pytest.fixture
+def collection(tmp_path, monkeypatch):
+    nbs, params = tmp_path / "notebooks", tmp_path / "params"
+    nbs.mkdir()
+    params.mkdir()
+    _nb(nbs / "good.ipynb", "from lab import report\nreport.save('good', {'n': n}, {'n squared': n * n})")
+    _nb(nbs / "bad.ipynb", "raise RuntimeError(f'broken on purpose, n={n}')")
+    (params / "p.yaml").write_text("description: test\nshared: {}\nnotebooks:\n  good: {n: 3}\n  bad: {n: 2}\n")
+    monkeypatch.setattr(profiles, "NOTEBOOKS", nbs)
+    monkeypatch.setattr(profiles, "PARAMS", params)
+    return tmp_path
+
+
+def test_failing_notebook_is_reported_and_the_rest_complete(collection):
+    out = collection / "out"
+    index = runner.run(None, "p", out_dir=str(out))
+    entries = {e["notebook"]: e for e in json.loads((out / "index.json").read_text())["entries"]}
+    assert entries["good"]["status"] == "ok" and entries["good"]["headline"] == {"n squared": 9}
+    assert entries["bad"]["status"] == "failed" and "broken on purpose, n=2" in entries["bad"]["error"]
+    assert (out / "good.html").exists() and (out / "good.json").exists() and (out / "bad.failed.ipynb").exists()
+    page = index.read_text()
+    assert "good.html" in page and "broken on purpose" in page
+    # a later failure of a notebook that once worked keeps its good report
+    _nb(profiles.NOTEBOOKS / "good.ipynb", "raise ValueError('now broken')")
+    runner.run(["good"], "p", out_dir=str(out))
+    assert (out / "good.html").exists()
+    assert "last good report" in (out / "index.html").read_text()
+
+
+def test_bad_profiles_are_rejected_before_running(collection):
+    p = collection / "params"
+    (p / "typo.yaml").write_text("notebooks:\n  good: {nn: 3}\n")
+    with pytest.raises(profiles.ProfileError, match=r"typo.yaml.*notebooks.good.nn is not a parameter of good"):
+        profiles.load("typo")
+    (p / "type.yaml").write_text("notebooks:\n  good: {n: three}\n")
+    with pytest.raises(profiles.ProfileError, match=r"type.yaml.*n must be int"):
+        profiles.load("type")
+    (p / "nb.yaml").write_text("notebooks:\n  nosuch: {}\n")
+    with pytest.raises(profiles.ProfileError, match="no notebook named"):
+        profiles.load("nb")
+    (p / "top.yaml").write_text("notbooks: {}\n")
+    with pytest.raises(profiles.ProfileError, match="unknown top-level"):
+        profiles.load("top")
+    with pytest.raises(profiles.ProfileError, match="no profile"):
+        profiles.load("missing")
+    with pytest.raises(profiles.ProfileError, match=r"--set.*n must be int"):
+        profiles.load("p", overrides=profiles.parse_set(["n=abc"]))
+
+
+def test_shipped_profiles_are_valid():
+    for name in ("quick", "default", "qwen3"):
+        assert set(profiles.load(name)) == set(profiles.notebooks())
