@@ -8,6 +8,7 @@ import datetime
 import html
 import json
 import os
+import re
 import shutil
 import sys
 import traceback
@@ -24,6 +25,9 @@ def _html(ipynb: Path, out: Path) -> None:
     from nbconvert import HTMLExporter
     exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
     body, _ = exporter.from_notebook_node(nbformat.read(str(ipynb), as_version=4))
+    # the template asks CDNs for require.js and MathJax; the reports need neither, and a
+    # report must open with no network at all
+    body = re.sub(r"""<script[^>]+src=["']https?://[^"']*["'][^>]*>\s*</script>""", "", body)
     out.write_text(body)
 
 
