@@ -262,6 +262,9 @@ public:
     // given: [layers][k][hidden_size] after every layer. Returns an EngineStatus.
     int forward(const int32_t* tokens, int k, int pos, float* logits, int mode, float* hidden,
                 ThreadPool* pool, int path);
+    // How matmuls split their tiles over the pool: 0 static halves, n > 0 chunks of n tiles
+    // (the default, 8). Results are identical either way; only the timing moves.
+    void set_chunk(int tiles);
     struct Impl;
 private:
     Impl* impl_;

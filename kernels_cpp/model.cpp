@@ -187,6 +187,7 @@ struct Model::Impl {
     std::vector<float> scratch;        // per thread: scores [group][ctx] + a K/V row
     QActs acts;
     bool loaded = false;
+    int split_tiles = 8;       // tiles per hand-out: on a shared machine one thread often runs late
 
     bool fail(const std::string& m) { err = m; return false; }
     bool bind(const char* name, Mat& m, int rows, int cols);
@@ -223,6 +224,7 @@ Model::~Model() { delete impl_; }
 const char* Model::error() const { return impl_->err.c_str(); }
 const FileHeader& Model::config() const { return impl_->h; }
 int Model::max_context() const { return impl_->max_ctx; }
+void Model::set_chunk(int tiles) { impl_->split_tiles = tiles < 0 ? 0 : tiles; }
 int Model::vocab() const { return impl_->vocab; }
 
 int64_t Model::weight_bytes() const {
@@ -326,8 +328,7 @@ void Model::Impl::embed_row(int tok, float* out) const {
 
 // y[t * rows + r] for the first `rows` rows of W (the output layer stops at the tokenizer).
 int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, ThreadPool* pool, int path) {
-    // tiles handed out in small chunks: on a shared machine one thread often runs late
-    constexpr int chunk_tiles = 8;
+    const int chunk_tiles = split_tiles;
     if (W.fmt == FMT_F32) {
         const int cols = W.cols;
         for_range(pool, rows, 0, [&](int b, int e, int) {

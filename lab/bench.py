@@ -357,3 +357,34 @@ def speculative_bench(target: str, draft: str | None, prompt_ids: list[tuple[str
                              "wall_speedup": plain.t_total / r.t_total})
     return {"machine": machine(), "target": target, "draft": draft, "format": scheme,
             "threads": pool.threads, "max_new_tokens": max_new_tokens, "rows": rows}
+
+
+def threads_bench(target: str, draft: str, scheme: str = "q4-q8out", context: int = 256, gamma: int = 4,
+                  rounds: int = 5, reps: int = 3, max_threads: int | None = None) -> list[dict]:
+    """A draft step, a target step and a verification pass (gamma + 1 tokens), each timed under
+    every configuration: thread count, pinned or not, static or dynamic tile chunks."""
+    from .engine import Engine
+    from .models.export import engine_file
+    n = max_threads or len(os.sched_getaffinity(0))
+    configs = [(t, pin, chunk) for t in range(1, n + 1) for pin in ((True, False) if t > 1 else (True,))
+               for chunk in ((0, 8) if t > 1 else (0,))]
+    rows = []
+    for t, pin, chunk in configs:
+        pool = kernels.Pool(t, pin=pin)
+        te = Engine(engine_file(target, scheme), pool=pool, max_context=context + 32)
+        de = Engine(engine_file(draft, scheme), pool=pool, max_context=context + 32)
+        for e in (te, de):
+            e.set_chunk(chunk)
+        ids = _fill(te, context)
+        de.forward(ids, 0, logits="none")
+        one = ids[-1:].copy()
+        batch = np.resize(ids, gamma + 1).astype(np.int32)
+        cands = {"draft step": lambda: _forward_samples(de, one, context, 1, reps),
+                 "target step": lambda: _forward_samples(te, one, context, 1, reps),
+                 f"verification (k={gamma + 1})": lambda: _forward_samples(te, batch, context, 2, reps)}
+        for phase, secs in interleave(cands, rounds).items():
+            st = summary(flat(secs))
+            rows.append({"phase": phase, "threads": t, "pinned": pin, "split": "dynamic" if chunk else "static",
+                         "ms": st["median"] * 1e3, "ms_iqr": st["iqr"] * 1e3,
+                         "config": f"{t} thr, {'pinned' if pin else 'unpinned'}, {'dynamic' if chunk else 'static'}"})
+    return rows

@@ -103,6 +103,12 @@ class Engine:
         self.eos_ids = [int(h.eos[i]) for i in range(int(h.n_eos))]
         self.arch = {1: "qwen3", 2: "qwen2", 3: "llama"}[int(h.arch)]
 
+    def set_chunk(self, tiles: int) -> None:
+        """Matmul work split: 0 static halves, n > 0 chunks of n 16-row tiles (default 8)."""
+        if not isinstance(tiles, int) or tiles < 0:
+            raise EngineError(f"chunk must be 0 (static) or a positive tile count, got {tiles!r}")
+        self._m.set_chunk(tiles)
+
     @property
     def weight_bytes(self) -> int:
         return int(self._m.weight_bytes())
