@@ -388,3 +388,54 @@ def threads_bench(target: str, draft: str, scheme: str = "q4-q8out", context: in
                          "ms": st["median"] * 1e3, "ms_iqr": st["iqr"] * 1e3,
                          "config": f"{t} thr, {'pinned' if pin else 'unpinned'}, {'dynamic' if chunk else 'static'}"})
     return rows
+
+
+def gamma_bench(target: str, draft: str, prompts: list[tuple[str, list[int]]], gammas=(1, 2, 3, 4),
+                scheme: str = "q4-q8out", max_new_tokens: int = 64, context: int = 256, rounds: int = 3,
+                threads: int | None = None) -> dict:
+    """Measured against predicted speedup over gamma, per prompt group, for the draft model and
+    prompt lookup. prompts: (group, token ids). Every speculative output is checked against
+    plain greedy decoding. Costs (c, v, o) come from vk_bench at `context`."""
+    from . import spec
+    from .engine import Engine
+    from .models.export import engine_file
+    pool = kernels.Pool(threads)
+    ks = tuple(range(1, max(gammas) + 2))
+    costs = vk_bench(target, draft, scheme, threads, (context,), ks, rounds=rounds, draft_schemes=(scheme,))
+    v = {r["k"]: r["v"] for r in costs["records"] if r["kind"] == "v"}
+    c = next(r["c"] for r in costs["records"] if r["kind"] == "c")
+    step_ms = next(r["ms"] for r in costs["records"] if r["kind"] == "v" and r["k"] == 1)
+    t = Engine(engine_file(target, scheme), pool=pool, max_context=4096)
+    d = Engine(engine_file(draft, scheme), pool=pool, max_context=4096)
+    runs = []
+    for group, ids in prompts:
+        plain = t.generate(ids, max_new_tokens)
+        for drafter, dr in (("draft", d), ("lookup", "lookup")):
+            for g in gammas:
+                r = t.speculate(ids, dr, gamma=g, max_new_tokens=max_new_tokens)
+                if r.tokens != plain.tokens:
+                    raise RuntimeError(f"speculative output differs from plain ({group}, {drafter}, gamma {g})")
+                runs.append({"group": group, "drafter": drafter, "gamma": g, "measured": r.tokens_per_s / plain.tokens_per_s,
+                             "tokens_per_round": r.tokens_per_round, "accepted_per_round": r.accepted / r.rounds,
+                             "drafted_per_round": r.drafted / r.rounds,
+                             "draft_ms_per_round": r.t_draft / r.rounds * 1e3,
+                             "prompt_tokens_per_s": plain.prompt_tokens_per_s, "plain_tokens_per_s": plain.tokens_per_s})
+    table = []
+    for group in dict.fromkeys(p[0] for p in prompts):
+        for drafter in ("draft", "lookup"):
+            for g in gammas:
+                mine = [x for x in runs if (x["group"], x["drafter"], x["gamma"]) == (group, drafter, g)]
+                # lookup proposes fewer than gamma guesses when the context runs out of matches:
+                # model the rounds with the guesses actually made
+                ge = float(np.mean([x["drafted_per_round"] for x in mine]))
+                alpha = spec.alpha_from_accepted(float(np.mean([x["accepted_per_round"] for x in mine])), ge) if ge else 0.0
+                cost = c if drafter == "draft" else float(np.mean([x["draft_ms_per_round"] for x in mine])) / max(ge, 1e-9) / step_ms
+                table.append({"group": group, "drafter": drafter, "gamma": g, "alpha": alpha, "c": cost,
+                              "guesses_per_round": ge,
+                              "predicted": spec.tau(alpha, ge) / (ge * cost + spec.v_at(v, ge + 1) + costs["o"]),
+                              "measured": float(np.exp(np.mean(np.log([x["measured"] for x in mine])))),
+                              "tokens_per_round": float(np.mean([x["tokens_per_round"] for x in mine])),
+                              "prompt_tokens_per_s": float(np.mean([x["prompt_tokens_per_s"] for x in mine])),
+                              "plain_tokens_per_s": float(np.mean([x["plain_tokens_per_s"] for x in mine]))})
+    return {"machine": machine(), "target": target, "draft": draft, "format": scheme, "context": context,
+            "v": v, "c": c, "o": costs["o"], "runs": runs, "table": table}

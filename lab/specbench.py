@@ -32,3 +32,23 @@ def chat_ids(tokenizer, turns: list[str], thinking: bool = False) -> list[int]:
     text = tokenizer.apply_chat_template([{"role": "user", "content": turns[0]}], add_generation_prompt=True,
                                          tokenize=False, **extra)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def prompt_ids(model: str, per_group: int, max_prompt_tokens: int | None = None) -> list[tuple[str, list[int]]]:
+    """(group, token ids) of the first turn of each prompt, with the model's chat template;
+    tiny models (no tokenizer) take the text's bytes modulo their vocabulary."""
+    from .models import TINY
+    out = []
+    if model in TINY:
+        n = TINY[model].tokenizer_size
+        for p in prompts(per_group=per_group):
+            ids = [b % n for b in p["turns"][0].encode()]
+            out.append((p["group"], ids[:max_prompt_tokens] if max_prompt_tokens else ids))
+        return out
+    from transformers import AutoTokenizer
+    from .models.registry import resolve
+    tok = AutoTokenizer.from_pretrained(str(resolve(model)))
+    for p in prompts(per_group=per_group):
+        ids = chat_ids(tok, p["turns"], thinking=False if model.startswith("qwen3") else None)
+        out.append((p["group"], ids[-max_prompt_tokens:] if max_prompt_tokens else ids))
+    return out

@@ -1,0 +1,25 @@
+"""The cost model: tau, the speedup formula, and alpha recovered from accepted counts."""
+import pytest
+
+from lab import spec
+
+
+def test_tau_by_hand():
+    assert spec.tau(0.0, 4) == 1.0
+    assert spec.tau(1.0, 4) == 5.0
+    assert spec.tau(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+def test_speedup_textbook_and_cpu():
+    v1 = {k: 1.0 for k in range(1, 10)}
+    assert spec.speedup(0.8, 3, 0.0, v1, 0.0) == pytest.approx(spec.tau(0.8, 3))
+    vcpu = {k: 1 + 0.1 * (k - 1) for k in range(1, 10)}
+    assert spec.speedup(0.8, 3, 0.3, vcpu, 0.02) == pytest.approx(spec.tau(0.8, 3) / (0.9 + 1.3 + 0.02))
+    g, s = spec.best_gamma(0.8, 0.3, vcpu, 0.02)
+    assert 1 <= g <= 8 and s == max(spec.speedup(0.8, k, 0.3, vcpu, 0.02) for k in range(1, 9))
+
+
+@pytest.mark.parametrize("alpha", [0.05, 0.4, 0.73, 0.95])
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+def test_alpha_round_trip(alpha, gamma):
+    assert spec.alpha_from_accepted(spec.tau(alpha, gamma) - 1, gamma) == pytest.approx(alpha, abs=1e-9)
