@@ -39,3 +39,18 @@ def alpha_from_accepted(mean_accepted: float, gamma: float) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def best_gammas(table: list[dict], gammas) -> list[dict]:
+    """Per group (and overall) and drafter: the gamma with the highest mean measured speedup,
+    with the prediction at that gamma. table: rows of lab.bench.gamma_bench."""
+    out = []
+    groups = list(dict.fromkeys(r["group"] for r in table)) + ["overall"]
+    for grp in groups:
+        for dr in dict.fromkeys(r["drafter"] for r in table):
+            mine = [r for r in table if r["drafter"] == dr and grp in ("overall", r["group"])]
+            mean = lambda key, g: sum(r[key] for r in mine if r["gamma"] == g) / max(1, sum(r["gamma"] == g for r in mine))
+            g = max(gammas, key=lambda g: mean("measured", g))
+            out.append({"group": grp, "drafter": dr, "best γ": g, "measured": mean("measured", g),
+                        "predicted": mean("predicted", g)})
+    return out

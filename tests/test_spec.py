@@ -23,3 +23,12 @@ def test_speedup_textbook_and_cpu():
 @pytest.mark.parametrize("gamma", [1, 3, 8])
 def test_alpha_round_trip(alpha, gamma):
     assert spec.alpha_from_accepted(spec.tau(alpha, gamma) - 1, gamma) == pytest.approx(alpha, abs=1e-9)
+
+
+def test_best_gammas_per_group_and_overall():
+    table = [{"group": grp, "drafter": "draft", "gamma": g, "measured": m, "predicted": m + 0.1}
+             for grp, ms in (("a", {1: 1.1, 2: 1.3}), ("b", {1: 1.2, 2: 0.9})) for g, m in ms.items()]
+    best = {(b["group"], b["drafter"]): b for b in spec.best_gammas(table, [1, 2])}
+    assert best[("a", "draft")]["best γ"] == 2 and best[("b", "draft")]["best γ"] == 1
+    assert best[("overall", "draft")]["best γ"] == 1                    # (1.1+1.2)/2 > (1.3+0.9)/2
+    assert abs(best[("overall", "draft")]["predicted"] - 1.25) < 1e-12
