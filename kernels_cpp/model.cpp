@@ -259,7 +259,6 @@ bool Model::load(const char* path, int max_context, bool in_memory) {
     if (!m.bind("embed", m.embed, h.vocab_size, H) || !m.bind("norm", m.norm, H)) return false;
     if (h.tie_embeddings) m.output = m.embed;
     else if (!m.bind("output", m.output, h.vocab_size, H)) return false;
-    if (m.output.fmt == FMT_F32 && m.embed.fmt != FMT_F32 && h.tie_embeddings) return m.fail("bad tied embedding");
     m.layers.resize(h.num_layers);
     char name[96];
     for (uint32_t i = 0; i < h.num_layers; i++) {

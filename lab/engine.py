@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +43,6 @@ class Result:
     t_sample: float
     t_total: float
     stopped_on_eos: bool
-    stats: dict = field(default_factory=dict)
 
     @property
     def t_generate(self) -> float:

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from .config import ModelConfig
-from .registry import resolve, spec, ModelError
+from .registry import ModelError, resolve
 from .tiny import TINY, tiny_weights
 
 

@@ -54,20 +54,14 @@ def build(variant: str, config, weights, max_context: int = 2048):
     """f32: the reference; q8/q4/q4-q8out: the reference on quantized weights only;
     twin-*: the full twin (weights, 8-bit activations, fp16 KV cache)."""
     from .reference import Reference
-    from .twin import SCHEMES, Twin, quantize_weights
+    from .twin import SCHEMES, Twin, quantized_reference_weights
     if variant == "f32":
         return Reference(config, weights, max_context)
     if variant.startswith("twin-"):
         return Twin(config, weights, variant[5:], max_context)
     if variant not in SCHEMES:
         raise ValueError(f"variant={variant!r}: choose from {', '.join(VARIANTS)}")
-    if config.tie_embeddings:
-        weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
-    from ..formats import QTensor
-    deq = {n: (torch.from_numpy(q.dequantize()) if isinstance(q, QTensor) else q)
-           for n, q in quantize_weights(weights, variant).items()}
-    if config.tie_embeddings:
-        deq["model.embed_tokens.weight"] = deq["lm_head.weight"]
+    _, deq = quantized_reference_weights(config, weights, variant)
     return Reference(config, deq, max_context)
 
 

@@ -58,17 +58,24 @@ def quantize_weights(weights: dict[str, torch.Tensor], scheme: str) -> dict[str,
     return out
 
 
+def quantized_reference_weights(config: ModelConfig, weights: dict[str, torch.Tensor], scheme: str):
+    """-> (the weights in their formats, the same dequantized as fp32 tensors). A tied model's
+    one tensor serves both ends, in the output layer's format."""
+    if config.tie_embeddings or "lm_head.weight" not in weights:
+        weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
+    quantized = quantize_weights(weights, scheme)
+    deq = {n: (torch.from_numpy(q.dequantize()) if isinstance(q, formats.QTensor) else q)
+           for n, q in quantized.items()}
+    if config.tie_embeddings:
+        deq["model.embed_tokens.weight"] = deq["lm_head.weight"]
+    return quantized, deq
+
+
 class Twin(Reference):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], scheme: str = "q4-q8out",
                  max_context: int = 2048):
-        if config.tie_embeddings or "lm_head.weight" not in weights:
-            weights = {**weights, "lm_head.weight": weights["model.embed_tokens.weight"]}
         self.scheme = scheme
-        self.quantized = quantize_weights(weights, scheme)
-        deq = {n: (torch.from_numpy(q.dequantize()) if isinstance(q, formats.QTensor) else q)
-               for n, q in self.quantized.items()}
-        if config.tie_embeddings:       # one tensor serves both ends, in the output layer's format
-            deq["model.embed_tokens.weight"] = deq["lm_head.weight"]
+        self.quantized, deq = quantized_reference_weights(config, weights, scheme)
         super().__init__(config, deq, max_context)
         self.quantized_names = {n for n, q in self.quantized.items() if isinstance(q, formats.QTensor)}
 
