@@ -54,3 +54,78 @@ def best_gammas(table: list[dict], gammas) -> list[dict]:
             out.append({"group": grp, "drafter": dr, "best γ": g, "measured": mean("measured", g),
                         "predicted": mean("predicted", g)})
     return out
+
+
+# ----------------------------------------------------------------------------
+# The offline round simulator (SCIENCE.md §3): rounds replayed from teacher-forced
+# distributions along the target's own text, no engine in the loop.
+# ----------------------------------------------------------------------------
+
+def simulate_rounds(accept, gamma: int, rng=None) -> list[int]:
+    """Accepted guesses per round while producing len(accept) tokens, as the engine's
+    round loop does (up to γ guesses, the first rejection or the bonus token ends a round,
+    the last token ends the run mid-round).
+
+    accept[j] is whether (greedy: 0 or 1, the draft's top-1 equals the target's token j)
+    or with what probability (sampling: min(1, q(x_j)/p(x_j)) for the target-sampled x_j)
+    the draft's guess for token j is accepted; probabilities need a numpy Generator."""
+    import numpy as np
+    accept = np.asarray(accept, dtype=float)
+    if not 1 <= gamma <= 16:
+        raise ValueError(f"gamma={gamma}: one round verifies 1 to 16 guesses")
+    if rng is not None:
+        accept = (rng.random(accept.size) < accept).astype(float)
+    elif ((accept != 0) & (accept != 1)).any():
+        raise ValueError("acceptance probabilities need rng= (a numpy Generator) to draw from")
+    n, j, rounds = accept.size, 0, []
+    while j < n:
+        a = 0
+        while a < gamma and j + a < n and accept[j + a]:
+            a += 1
+        rounds.append(a)
+        j += a + 1
+    return rounds
+
+
+def simulated_tau(accept, gamma: int, draws: int = 0, seed: int = 0) -> float:
+    """Tokens per round over the text: exact for 0/1 acceptance; the mean over `draws`
+    seeded replays for probabilities."""
+    import numpy as np
+    n = len(accept)
+    if not draws:
+        return n / len(simulate_rounds(accept, gamma))
+    rng = np.random.default_rng(seed)
+    return float(np.mean([n / len(simulate_rounds(accept, gamma, rng)) for _ in range(draws)]))
+
+
+def _softmax(x, temperature: float = 1.0):
+    import numpy as np
+    z = x / temperature
+    z = z - z.max(-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(-1, keepdims=True)
+
+
+def acceptance(target_logits, draft_logits, tokens=None, temperature: float = 1.0, chunk: int = 64) -> dict:
+    """Per-position acceptance from teacher-forced logits [T, vocab] of the target and the
+    draft along the same text: `match` (top-1 equal: α greedy), `beta` (1 − TVD at the
+    temperature: the expected α when sampling) and, given the tokens the target sampled,
+    `accept` = min(1, q(x)/p(x)) for the sampling simulator. Rows in chunks: [T, vocab]
+    probabilities never exist at once."""
+    import numpy as np
+    t_all, d_all = np.asarray(target_logits), np.asarray(draft_logits)
+    if t_all.shape != d_all.shape:
+        raise ValueError(f"target logits {t_all.shape} and draft logits {d_all.shape} differ in shape")
+    out = {"match": [], "beta": [], "accept": []}
+    for s in range(0, t_all.shape[0], chunk):
+        t, d = t_all[s:s + chunk].astype(np.float64), d_all[s:s + chunk].astype(np.float64)
+        out["match"].append(t.argmax(-1) == d.argmax(-1))
+        p, q = _softmax(t, temperature), _softmax(d, temperature)
+        out["beta"].append(np.minimum(p, q).sum(-1))
+        if tokens is not None:
+            x = np.asarray(tokens[s:s + chunk])
+            rows = np.arange(x.size)
+            out["accept"].append(np.minimum(1.0, q[rows, x] / p[rows, x]))
+    res = {k: np.concatenate(v) for k, v in out.items() if v}
+    res["match"] = res["match"].astype(float)
+    return res
