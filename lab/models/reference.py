@@ -82,7 +82,8 @@ class Reference(torch.nn.Module):
         """Roll the cache back (or clear it): attention only ever reads below `pos`."""
         self.pos = pos
 
-    def attention(self, i: int, x: torch.Tensor, pos: int, cos, sin) -> torch.Tensor:
+    def qkv(self, i: int, x: torch.Tensor, cos, sin):
+        """Queries [heads, k, dim], and keys and values [kv_heads, k, dim], rotated."""
         c, p, k = self.config, f"model.layers.{i}.self_attn.", x.shape[0]
         q = self.linear(x, p + "q_proj").view(k, c.num_heads, c.head_dim).transpose(0, 1)
         kk = self.linear(x, p + "k_proj").view(k, c.num_kv_heads, c.head_dim).transpose(0, 1)
@@ -90,9 +91,11 @@ class Reference(torch.nn.Module):
         if c.qk_norm:
             q = rms_norm(q, self.w[p + "q_norm.weight"], c.rms_eps)
             kk = rms_norm(kk, self.w[p + "k_norm.weight"], c.rms_eps)
-        q, kk = rotate(q, cos, sin), rotate(kk, cos, sin)
-        self.store_kv(i, pos, kk, v)
-        keys, values = self.k_cache[i, :, :pos + k], self.v_cache[i, :, :pos + k]
+        return rotate(q, cos, sin), rotate(kk, cos, sin), v
+
+    def attend(self, i: int, q, keys, values, pos: int) -> torch.Tensor:
+        """Causal attention of k queries at pos.. over keys/values for positions 0..pos+k-1."""
+        c, k = self.config, q.shape[1]
         group = c.num_heads // c.num_kv_heads
         keys = keys.repeat_interleave(group, dim=0)
         values = values.repeat_interleave(group, dim=0)
@@ -100,11 +103,30 @@ class Reference(torch.nn.Module):
         causal = torch.arange(pos + k)[None, :] > (pos + torch.arange(k))[:, None]
         scores = scores.masked_fill(causal, float("-inf"))
         out = torch.softmax(scores.float(), dim=-1) @ values
-        return self.linear(out.transpose(0, 1).reshape(k, c.num_heads * c.head_dim), p + "o_proj")
+        return self.linear(out.transpose(0, 1).reshape(k, c.num_heads * c.head_dim), f"model.layers.{i}.self_attn.o_proj")
+
+    def attention(self, i: int, x: torch.Tensor, pos: int, cos, sin) -> torch.Tensor:
+        q, kk, v = self.qkv(i, x, cos, sin)
+        self.store_kv(i, pos, kk, v)
+        k = x.shape[0]
+        return self.attend(i, q, self.k_cache[i, :, :pos + k], self.v_cache[i, :, :pos + k], pos)
 
     def mlp(self, i: int, x: torch.Tensor) -> torch.Tensor:
         p = f"model.layers.{i}.mlp."
         return self.linear(F.silu(self.linear(x, p + "gate_proj")) * self.linear(x, p + "up_proj"), p + "down_proj")
+
+    def body(self, tokens: torch.Tensor, pos: int, hidden: list | None = None) -> torch.Tensor:
+        """The final normed hidden states [k, hidden] of tokens at pos.. (grad-enabled)."""
+        c = self.config
+        cos, sin = rope_tables(c.head_dim, c.rope_theta, torch.arange(pos, pos + tokens.numel()))
+        x = self.w["model.embed_tokens.weight"][tokens]
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            x = x + self.attention(i, rms_norm(x, self.w[p + "input_layernorm.weight"], c.rms_eps), pos, cos, sin)
+            x = x + self.mlp(i, rms_norm(x, self.w[p + "post_attention_layernorm.weight"], c.rms_eps))
+            if hidden is not None:
+                hidden.append(x.clone())
+        return rms_norm(x, self.w["model.norm.weight"], c.rms_eps)
 
     @torch.no_grad()
     def forward(self, tokens, pos: int | None = None, hidden: list | None = None) -> torch.Tensor:
@@ -120,16 +142,8 @@ class Reference(torch.nn.Module):
             raise ValueError(f"positions {pos}..{pos + k - 1} run past the cache's {self.max_context}")
         if int(tokens.min()) < 0 or int(tokens.max()) >= c.vocab_size:
             raise ValueError(f"token ids must lie in [0, {c.vocab_size})")
-        cos, sin = rope_tables(c.head_dim, c.rope_theta, torch.arange(pos, pos + k))
-        x = self.w["model.embed_tokens.weight"][tokens]
-        for i in range(c.num_layers):
-            p = f"model.layers.{i}."
-            x = x + self.attention(i, rms_norm(x, self.w[p + "input_layernorm.weight"], c.rms_eps), pos, cos, sin)
-            x = x + self.mlp(i, rms_norm(x, self.w[p + "post_attention_layernorm.weight"], c.rms_eps))
-            if hidden is not None:
-                hidden.append(x.clone())
+        x = self.body(tokens, pos, hidden)
         self.pos = pos + k
-        x = rms_norm(x, self.w["model.norm.weight"], c.rms_eps)
         return self.linear(x, "lm_head")
 
     @torch.no_grad()
