@@ -70,6 +70,9 @@ class Teacher:
     def __len__(self) -> int:
         return self.ids.shape[0]
 
+    def to(self, dev) -> "Teacher":
+        return Teacher(self.ids.to(dev), self.logp.to(dev), self.next_token.to(dev), self.stock_wrong.to(dev))
+
     def slice(self, a: int, b: int) -> "Teacher":
         return Teacher(self.ids[a:b], self.logp[a:b], self.next_token[a:b], self.stock_wrong[a:b])
 

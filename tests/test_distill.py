@@ -1,0 +1,128 @@
+"""Distillation on tiny models: decontamination, the held-out split, the answer cache that
+resumes, a training run that lowers the loss and raises agreement with the teacher (every
+method), and a checkpoint that resumes to the same state."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from lab.distill import data, teacher
+from lab.distill.student import Student
+from lab.distill.train import TrainConfig, batch_at, lr_at, train
+from lab.engine import Engine
+from lab.kernels import Pool
+from lab.models import TINY, tiny_weights
+from lab.models import export as ex
+
+NAME = "tiny-qwen2"
+
+
+def test_thirteen_gram_decontamination():
+    dev = json.loads(data.specbench.DATA.read_text().splitlines()[0])["turns"][0]
+    words = dev.split()
+    assert len(words) >= 14
+    banned = data.specbench_ngrams()
+    copy13 = data.Prompt("a", "x", "Please help. " + " ".join(words[:13]) + " thanks")
+    copy12 = data.Prompt("b", "x", "Please help. " + " ".join(words[:12]) + " thanks")
+    shouty = data.Prompt("c", "x", " ".join(words[:13]).upper().replace(" ", ",  "))  # case and punctuation
+    kept, dropped = data.decontaminate([copy13, copy12, shouty], banned)
+    assert [p.id for p in dropped] == ["a", "c"] and [p.id for p in kept] == ["b"]
+
+
+def test_sources_and_split_are_stable():
+    sel = data.select(("stdlib-text", "math"), per_source=20, seed=3)
+    assert len(sel["prompts"]) == 40 and sel["available"]["math"] == 120
+    assert [p.id for p in sel["prompts"]] == [p.id for p in data.select(("stdlib-text", "math"), 20, 3)["prompts"]]
+    train_a, held_a = data.split(sel["prompts"], 0.25)
+    train_b, held_b = data.split(sel["prompts"][:30], 0.25)
+    assert {p.id for p in held_b} <= {p.id for p in held_a}                 # growing the set keeps the split
+    assert 0 < len(held_a) < 20 and len(train_a) + len(held_a) == 40
+    with pytest.raises(ValueError, match="unknown prompt source"):
+        data.select(("wikipedia",))
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    d = tmp_path_factory.mktemp("distill")
+    c = TINY[NAME]
+    pool = Pool(min(2, len(__import__("os").sched_getaffinity(0))))
+    tw, sw = tiny_weights(c, seed=1), tiny_weights(c, seed=2)
+    target = Engine(ex.export(c, tw, d / "t.lab", "q8"), pool=pool, max_context=512)
+    stock = Engine(ex.export(c, sw, d / "s.lab", "q8"), pool=pool, max_context=512)
+    prompts = [data.Prompt(f"p{i}", "math", t.text) for i, t in enumerate(data.math_problems(24, seed=5))]
+    samples = data.answers(target, NAME, prompts, 24, cache=d / "answers.jsonl", progress=False)
+    its = teacher.items(samples, target, stock, k=16, cache=d / "teacher", progress=False)
+    return {"dir": d, "config": c, "student_weights": sw, "items": its, "target": target, "prompts": prompts}
+
+
+def test_answers_resume_after_an_interruption(setup, tmp_path):
+    cache = tmp_path / "a.jsonl"
+    full = data.answers(setup["target"], NAME, setup["prompts"][:6], 24, cache=cache, progress=False)
+    lines = cache.read_text().splitlines()
+    cache.write_text("\n".join(lines[:3]) + "\n" + lines[3][:10])          # cut off mid-line
+    again = data.answers(setup["target"], NAME, setup["prompts"][:6], 24, cache=cache, progress=False)
+    assert [s.answer for s in again] == [s.answer for s in full]
+    assert len(full) == 6 and all(len(s.answer) == 24 for s in full)
+
+
+def test_teacher_items_follow_the_target(setup):
+    it = setup["items"][0]
+    logits = teacher.teacher_forced(setup["target"], it.tokens[:it.start + 1], it.tokens[it.start + 1:] + [0])
+    assert (it.teacher.ids[:, 0].numpy() == logits.argmax(-1)).all()              # greedy answer = teacher top-1
+    assert (it.teacher.next_token == it.teacher.ids[:, 0]).all()
+
+
+@pytest.mark.parametrize("method,lr", [("full", 3e-3), ("frozen-emb", 3e-3), ("lora", 1e-2)])
+def test_training_lowers_loss_and_raises_agreement(setup, method, lr):
+    its = setup["items"]
+    cfg = TrainConfig(loss="weighted", method=method, lr=lr, steps=30, batch=4, warmup=3, eval_every=30,
+                      checkpoint_every=100, device="cpu")
+    student = Student(setup["config"], setup["student_weights"], method, rank=8)
+    run = train(student, its[:20], its[20:], cfg, progress=False)
+    first, last = run.history[0], run.history[-1]
+    assert last["held_loss"] < 0.8 * first["held_loss"], (first, last)
+    assert last["alpha_greedy"] > first["alpha_greedy"] + 0.1, (first, last)
+    assert last["alpha_on_stock_misses"] > first["alpha_on_stock_misses"], (first, last)
+
+
+def test_checkpoint_resumes_to_the_same_state(setup, tmp_path):
+    its = setup["items"]
+    cfg = TrainConfig(loss="fkl", method="lora", lr=1e-2, steps=6, batch=2, warmup=2, eval_every=3,
+                      checkpoint_every=1, device="cpu")
+    straight = train(Student(setup["config"], setup["student_weights"], "lora", rank=4), its[:20], its[20:], cfg,
+                     progress=False)
+    ck = tmp_path / "ck.pt"
+    train(Student(setup["config"], setup["student_weights"], "lora", rank=4), its[:20], its[20:], cfg, ck,
+          stop_at=4, progress=False)
+    resumed = train(Student(setup["config"], setup["student_weights"], "lora", rank=4), its[:20], its[20:], cfg, ck,
+                    progress=False)
+    for n, t in straight.student.trainable().items():
+        assert torch.equal(t, resumed.student.trainable()[n]), n
+    strip = lambda hist: [{k: v for k, v in h.items() if k != "seconds"} for h in hist]
+    assert strip(resumed.history) == strip(straight.history)
+    with pytest.raises(ValueError, match="other settings"):
+        train(Student(setup["config"], setup["student_weights"], "lora", rank=4), its[:20], its[20:],
+              TrainConfig(loss="ce", method="lora", steps=6, batch=2), ck, progress=False)
+
+
+def test_schedule_and_order():
+    cfg = TrainConfig(lr=1.0, warmup=4, steps=20, batch=3, seed=1)
+    assert [lr_at(cfg, s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_at(cfg, 19) < 0.01 and lr_at(cfg, 12) == pytest.approx(0.5)
+    seen = [i for s in range(4) for i in batch_at(cfg, 6, s)]            # two epochs of six
+    assert sorted(seen[:6]) == list(range(6)) and sorted(seen[6:]) == list(range(6))
+
+
+def test_merged_lora_exports_what_trained(setup, tmp_path):
+    c = setup["config"]
+    s = Student(c, setup["student_weights"], "lora", rank=4)
+    with torch.no_grad():
+        for a, b in s.lora.values():
+            b.normal_(0, 0.05)
+    ids = setup["items"][0].tokens
+    with torch.no_grad():
+        want = s.hidden(ids) @ s.output_matrix.T
+    from lab.models.reference import Reference
+    got = Reference(c, s.merged_weights()).forward(ids, 0)[:, :c.tokenizer_size]
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
