@@ -126,3 +126,32 @@ def test_merged_lora_exports_what_trained(setup, tmp_path):
     from lab.models.reference import Reference
     got = Reference(c, s.merged_weights()).forward(ids, 0)[:, :c.tokenizer_size]
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_evaluation_against_the_engine(setup):
+    """agreement(): the stock draft against itself agrees everywhere; simulated rounds are
+    the engine's; summarize() pools positions; speedups() checks outputs and picks a best γ."""
+    from lab.distill import evaluate
+    t = setup["target"]
+    samples = data.answers(t, NAME, setup["prompts"][:4], 24, cache=setup["dir"] / "answers.jsonl", progress=False)
+    drafts = {"stock": t, "same": t}
+    rows = evaluate.agreement(t, drafts, samples, gammas=(1, 3))
+    assert all(r["matches"] == r["positions"] and r["stock_misses"] == 0 for r in rows)
+    table = evaluate.summarize(rows, gammas=(1, 3))
+    overall = [r for r in table if r["group"] == "overall"]
+    assert [r["tau_3"] for r in overall] == [pytest.approx(96 / 24)] * 2           # 4 answers of 24 tokens, 6 rounds each
+    meas = evaluate.speedups(t, {"self": t, "lookup": "lookup"}, [(s.source, s.prompt) for s in samples[:2]], (1, 2), 16)
+    assert len(meas) == 2 * 2 * 2 and all(r["speedup"] > 0 for r in meas)
+    best = {b["draft"]: b for b in evaluate.best_speedups(meas)}
+    assert best["self"]["tokens_per_round"] > 1.9 and best["self"]["best γ"] in (1, 2)
+
+
+def test_summarize_by_hand():
+    from lab.distill import evaluate
+    rows = [{"group": "a", "draft": "stock", "positions": 10, "matches": 5, "beta": 6.0, "stock_misses": 5,
+             "miss_matches": 0, "rounds_2": 6},
+            {"group": "b", "draft": "stock", "positions": 30, "matches": 27, "beta": 24.0, "stock_misses": 3,
+             "miss_matches": 0, "rounds_2": 12}]
+    s = {r["group"]: r for r in evaluate.summarize(rows, gammas=(2,))}
+    assert s["overall"]["alpha_greedy"] == 32 / 40 and s["overall"]["alpha_sampled"] == 30 / 40
+    assert s["overall"]["tau_2"] == 40 / 18 and s["a"]["tau_2"] == 10 / 6

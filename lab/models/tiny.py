@@ -19,6 +19,11 @@ TINY = {
                               num_layers=2, num_heads=6, num_kv_heads=3, head_dim=16,
                               rope_theta=10_000.0, rms_eps=1e-5, tie_embeddings=False,
                               max_position=4096, tokenizer_size=320, eos_ids=[2]),
+    # a smaller model with tiny-qwen2's vocabulary: its draft (quick distillation)
+    "tiny-qwen2-draft": ModelConfig(arch="qwen2", vocab_size=384, hidden_size=32, intermediate_size=64,
+                                    num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                                    rope_theta=1_000_000.0, tie_embeddings=True, max_position=4096,
+                                    tokenizer_size=380, eos_ids=[379]),
     # vocabulary of 16: every length-2 continuation can be enumerated (sampling tests)
     "tiny-v16": ModelConfig(arch="qwen2", vocab_size=16, hidden_size=32, intermediate_size=64,
                             num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
