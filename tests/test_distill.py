@@ -73,12 +73,13 @@ def test_teacher_items_follow_the_target(setup):
     assert (it.teacher.next_token == it.teacher.ids[:, 0]).all()
 
 
-@pytest.mark.parametrize("method,lr", [("full", 3e-3), ("frozen-emb", 3e-3), ("lora", 1e-2)])
-def test_training_lowers_loss_and_raises_agreement(setup, method, lr):
+@pytest.mark.parametrize("method,lr,qat", [("full", 3e-3, None), ("frozen-emb", 3e-3, None), ("lora", 1e-2, None),
+                                           ("full", 3e-3, "q4-q8out")])
+def test_training_lowers_loss_and_raises_agreement(setup, method, lr, qat):
     its = setup["items"]
     cfg = TrainConfig(loss="weighted", method=method, lr=lr, steps=30, batch=4, warmup=3, eval_every=30,
-                      checkpoint_every=100, device="cpu")
-    student = Student(setup["config"], setup["student_weights"], method, rank=8)
+                      checkpoint_every=100, device="cpu", qat=qat)
+    student = Student(setup["config"], setup["student_weights"], method, rank=8, qat=qat)
     run = train(student, its[:20], its[20:], cfg, progress=False)
     first, last = run.history[0], run.history[-1]
     assert last["held_loss"] < 0.8 * first["held_loss"], (first, last)
@@ -155,3 +156,20 @@ def test_summarize_by_hand():
     s = {r["group"]: r for r in evaluate.summarize(rows, gammas=(2,))}
     assert s["overall"]["alpha_greedy"] == 32 / 40 and s["overall"]["alpha_sampled"] == 30 / 40
     assert s["overall"]["tau_2"] == 40 / 18 and s["a"]["tau_2"] == 10 / 6
+
+
+def test_quantization_aware_student_is_the_twin(setup):
+    """Under qat the student computes what the twin computes (bar the twin's fp16 KV cache),
+    and gradients pass the rounding straight through to the fp32 weights."""
+    from lab.models.twin import Twin
+    c, w = setup["config"], setup["student_weights"]
+    ids = setup["items"][0].tokens
+    for method in ("full", "lora"):
+        s = Student(c, w, method, rank=4, qat="q4-q8out")
+        logits = s.hidden(ids) @ s.output_matrix.T
+        twin = Twin(c, w, "q4-q8out").forward(ids, 0)[:, :c.tokenizer_size]
+        assert (logits.argmax(-1) == twin.argmax(-1)).float().mean() > 0.95
+        assert (logits - twin).abs().max() < 0.05 * twin.abs().max()
+        logits.logsumexp(-1).sum().backward()
+        grads = [t.grad for t in s.trainable().values()]
+        assert sum(int(g is not None and bool(g.abs().sum() > 0)) for g in grads) >= len(grads) // 2

@@ -253,3 +253,20 @@ def test_local_folder_loads(tmp_path):
     assert torch.equal(m.weights["model.layers.1.mlp.down_proj.weight"], w["model.layers.1.mlp.down_proj.weight"])
     with pytest.raises(registry.ModelError, match="config.json"):
         registry.resolve(str(tmp_path))
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_torch_fake_quant_weight_equals_the_formats(fmt):
+    """The training-side quantizer gives the engine's values exactly (ties, zero blocks, signs)."""
+    import numpy as np
+    from lab import formats
+    from lab.models.twin import fake_quant_weight
+    rng = np.random.default_rng(3)
+    w = (rng.normal(size=(64, 96)) * rng.choice([1e-3, 1.0, 30.0], size=(64, 1))).astype(np.float32)
+    w[0, :32] = 0.0
+    w[1, :32] = np.linspace(-4, 4, 32, dtype=np.float32)                 # halves land on ties
+    w[2, 5] = -np.abs(w[2]).max() * 2                                     # a negative largest value
+    want = (formats.dequantize_q8(*formats.quantize_q8(w)) if fmt == "q8"
+            else formats.dequantize_q4(*formats.quantize_q4(w))).reshape(w.shape)
+    got = fake_quant_weight(torch.from_numpy(w), fmt).numpy()
+    assert np.array_equal(got, want)

@@ -44,7 +44,7 @@ def distill(target, draft_name: str, train_items, held_items, cfg: TrainConfig, 
     from ..models.export import export
     from ..models.load import load
     m = load(draft_name)
-    student = Student(m.config, m.weights, cfg.method, cfg.rank, seed=cfg.seed)
+    student = Student(m.config, m.weights, cfg.method, cfg.rank, seed=cfg.seed, qat=cfg.qat)
     d = run_dir(target, draft_name, cfg, train_items)
     d.mkdir(parents=True, exist_ok=True)
     run = train(student, train_items, held_items, cfg, d / "checkpoint.pt", progress=progress)

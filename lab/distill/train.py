@@ -35,6 +35,7 @@ class TrainConfig:
     seed: int = 0
     chunk: int = 16384              # vocabulary rows per chunk of the log-normaliser
     device: str = "auto"            # auto: cuda when available, else cpu
+    qat: str | None = None          # train through this scheme's rounding (the engine's draft)
 
     def __post_init__(self):
         if self.loss not in losses.KINDS:
@@ -128,6 +129,7 @@ def _load(path: Path, run: Run, opt, cfg: TrainConfig) -> None:
         for n, t in run.student.trainable().items():
             t.copy_(ck["params"][n])
     opt.load_state_dict(ck["opt"])
+    run.student.refresh()
     run.step, run.seconds, run.tokens, run.history = ck["step"], ck["seconds"], ck["tokens"], ck["history"]
 
 
@@ -169,6 +171,7 @@ def train(student: Student, data: list[Item], held: list[Item], cfg: TrainConfig
                 total += float(part.detach())
             torch.nn.utils.clip_grad_norm_(list(params.values()), cfg.clip)
             opt.step()
+            student.refresh()
             run.step += 1
             run.tokens += ntok
             run.seconds += time.perf_counter() - t0

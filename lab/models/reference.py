@@ -71,6 +71,9 @@ class Reference(torch.nn.Module):
         bias = self.w.get(name + ".bias")
         return y + bias if bias is not None else y
 
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.w["model.embed_tokens.weight"][tokens]
+
     def store_kv(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         n = k.shape[1]
         self.k_cache[layer, :, pos:pos + n] = k
@@ -119,7 +122,7 @@ class Reference(torch.nn.Module):
         """The final normed hidden states [k, hidden] of tokens at pos.. (grad-enabled)."""
         c = self.config
         cos, sin = rope_tables(c.head_dim, c.rope_theta, torch.arange(pos, pos + tokens.numel()))
-        x = self.w["model.embed_tokens.weight"][tokens]
+        x = self.embed(tokens)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             x = x + self.attention(i, rms_norm(x, self.w[p + "input_layernorm.weight"], c.rms_eps), pos, cos, sin)

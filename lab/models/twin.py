@@ -47,6 +47,26 @@ def fake_quant(x: torch.Tensor) -> torch.Tensor:
     return (q.float() * d[..., None]).reshape(x.shape)
 
 
+def fake_quant_weight(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A weight [rows, cols] quantized to q8 or q4 blocks and back, in torch: the same values
+    as lab.formats' quantize-then-dequantize (fp16-rounded scales), for training through them."""
+    if fmt == "f32":
+        return w
+    wb = w.detach().float().reshape(-1, formats.QK)
+    if fmt == "q8":
+        s = wb.abs().amax(1) / 127.0
+        safe = torch.where(s == 0, torch.ones_like(s), s)
+        q = torch.where(s[:, None] == 0, torch.zeros_like(wb), torch.clamp(round_away_t(wb / safe[:, None]), -127, 127))
+    else:
+        i = wb.abs().argmax(1, keepdim=True)                    # first value of largest magnitude
+        s = wb.gather(1, i)[:, 0] / -8.0
+        s = torch.where(wb.abs().amax(1) == 0, torch.zeros_like(s), s)
+        safe = torch.where(s == 0, torch.ones_like(s), s)
+        q = torch.where(s[:, None] == 0, torch.zeros_like(wb), torch.clamp(torch.floor(wb / safe[:, None] + 8.5), 0, 15) - 8)
+    d = s.half().float()
+    return (q * d[:, None]).reshape(w.shape)
+
+
 def quantize_weights(weights: dict[str, torch.Tensor], scheme: str) -> dict[str, formats.QTensor | torch.Tensor]:
     """Each weight in its scheme's format: QTensor for q8/q4, the fp32 tensor otherwise."""
     from ..kernels import quantize        # the C++ quantizer: the same bytes, much faster
