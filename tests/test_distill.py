@@ -74,7 +74,7 @@ def test_teacher_items_follow_the_target(setup):
 
 
 @pytest.mark.parametrize("method,lr,qat", [("full", 3e-3, None), ("frozen-emb", 3e-3, None), ("lora", 1e-2, None),
-                                           ("full", 3e-3, "q4-q8out")])
+                                           ("full", 3e-3, "q4-q8out"), ("scales", 3e-3, "q4-q8out")])
 def test_training_lowers_loss_and_raises_agreement(setup, method, lr, qat):
     its = setup["items"]
     cfg = TrainConfig(loss="weighted", method=method, lr=lr, steps=30, batch=4, warmup=3, eval_every=30,
@@ -173,3 +173,23 @@ def test_quantization_aware_student_is_the_twin(setup):
         logits.logsumexp(-1).sum().backward()
         grads = [t.grad for t in s.trainable().values()]
         assert sum(int(g is not None and bool(g.abs().sum() > 0)) for g in grads) >= len(grads) // 2
+
+
+@pytest.mark.parametrize("method", ["scales", "full"])
+def test_quantized_students_export_exactly_what_they_computed(setup, method):
+    """Under qat the exported weights re-quantize to the very values the student trained
+    through (codes and fp16 scales), so the engine runs the trained draft, not a rounding of it."""
+    from lab.models.twin import fake_quant_weight, tensor_format
+    c = setup["config"]
+    s = Student(c, setup["student_weights"], method, qat="q4-q8out")
+    with torch.no_grad():
+        for t in s.trainable().values():
+            t.mul_(1 + 0.01 * torch.randn_like(t))
+    s.refresh()
+    merged = s.merged_weights()
+    for n, w in merged.items():
+        fmt = tensor_format(n, "q4-q8out")
+        if fmt != "f32":
+            assert torch.equal(fake_quant_weight(w, fmt), w), n
+    with pytest.raises(ValueError, match="qat"):
+        Student(c, setup["student_weights"], "scales")

@@ -47,23 +47,30 @@ def fake_quant(x: torch.Tensor) -> torch.Tensor:
     return (q.float() * d[..., None]).reshape(x.shape)
 
 
-def fake_quant_weight(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    """A weight [rows, cols] quantized to q8 or q4 blocks and back, in torch: the same values
-    as lab.formats' quantize-then-dequantize (fp16-rounded scales), for training through them."""
-    if fmt == "f32":
-        return w
+def weight_blocks(w: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight in q8 or q4 blocks, in torch -> (integer codes [blocks, 32] as floats, centred:
+    q for q8, q - 8 for q4; scales [blocks], fp16-rounded). The same numbers as lab.formats."""
     wb = w.detach().float().reshape(-1, formats.QK)
     if fmt == "q8":
         s = wb.abs().amax(1) / 127.0
         safe = torch.where(s == 0, torch.ones_like(s), s)
         q = torch.where(s[:, None] == 0, torch.zeros_like(wb), torch.clamp(round_away_t(wb / safe[:, None]), -127, 127))
-    else:
+    elif fmt == "q4":
         i = wb.abs().argmax(1, keepdim=True)                    # first value of largest magnitude
         s = wb.gather(1, i)[:, 0] / -8.0
         s = torch.where(wb.abs().amax(1) == 0, torch.zeros_like(s), s)
         safe = torch.where(s == 0, torch.ones_like(s), s)
         q = torch.where(s[:, None] == 0, torch.zeros_like(wb), torch.clamp(torch.floor(wb / safe[:, None] + 8.5), 0, 15) - 8)
-    d = s.half().float()
+    else:
+        raise ValueError(f"no blocks for format {fmt!r}")
+    return q, s.half().float()
+
+
+def fake_quant_weight(w: torch.Tensor, fmt: str) -> torch.Tensor:
+    """A weight [rows, cols] quantized to q8 or q4 blocks and back: the engine's values."""
+    if fmt == "f32":
+        return w
+    q, d = weight_blocks(w, fmt)
     return (q * d[:, None]).reshape(w.shape)
 
 
