@@ -74,7 +74,7 @@ def test_teacher_items_follow_the_target(setup):
 
 
 @pytest.mark.parametrize("method,lr,qat", [("full", 3e-3, None), ("frozen-emb", 3e-3, None), ("lora", 1e-2, None),
-                                           ("full", 3e-3, "q4-q8out"), ("scales", 3e-3, "q4-q8out")])
+                                           ("full", 3e-3, "q4-q8out"), ("scales", 3e-2, "q4-q8out")])
 def test_training_lowers_loss_and_raises_agreement(setup, method, lr, qat):
     its = setup["items"]
     cfg = TrainConfig(loss="weighted", method=method, lr=lr, steps=30, batch=4, warmup=3, eval_every=30,

@@ -58,7 +58,8 @@ class Student(Reference):
         self.scale = lora_alpha / rank
         self.quantized = {n for n in self.w if qat and tensor_format(n, qat) != "f32"}
         self.codes: dict[str, torch.Tensor] = {}        # scales: name -> int8 codes [rows, blocks, 32]
-        self.scales: dict[str, torch.Tensor] = {}       # scales: name -> per-block scales [rows, blocks]
+        self.base: dict[str, torch.Tensor] = {}         # scales: name -> the stock per-block scales [rows, blocks]
+        self.scales: dict[str, torch.Tensor] = {}       # scales: name -> their relative change, trained
         self._rounded: dict[str, torch.Tensor] = {}     # full/lora under qat: the engine's weights now
         self._start_on_grid()
         if method == "lora":
@@ -83,7 +84,8 @@ class Student(Reference):
             rows = t.shape[0]
             if self.method == "scales":
                 self.codes[n] = q.to(torch.int8).reshape(rows, -1, 32)
-                self.scales[n] = d.reshape(rows, -1)
+                self.base[n] = d.reshape(rows, -1)
+                self.scales[n] = done.setdefault(("u", id(t), fmt), torch.zeros_like(self.base[n]))
             self.w[n] = deq
 
     def trainable(self) -> dict[str, torch.Tensor]:
@@ -111,6 +113,7 @@ class Student(Reference):
             return moved[id(t)]
         self.w = {n: mv(t) for n, t in self.w.items()}
         self.scales = {n: mv(t) for n, t in self.scales.items()}
+        self.base = {n: t.to(dev) for n, t in self.base.items()}
         self.codes = {n: t.to(dev) for n, t in self.codes.items()}
         self.lora = {n: (mv(a), mv(b)) for n, (a, b) in self.lora.items()}
         self.refresh()
@@ -122,7 +125,7 @@ class Student(Reference):
         differentiable (scales: codes x scales; otherwise straight through the rounding)."""
         n = name + ".weight"
         if n in self.scales:
-            d = self.scales[n]
+            d = self.base[n] * (1 + self.scales[n])     # relative: Adam's steps suit scales of any size
             d = straight_through(d, d.detach().half().float())
             return (self.codes[n].float() * d[..., None]).reshape(self.w[n].shape)
         w = self.w[n]
