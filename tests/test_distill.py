@@ -193,3 +193,19 @@ def test_quantized_students_export_exactly_what_they_computed(setup, method):
             assert torch.equal(fake_quant_weight(w, fmt), w), n
     with pytest.raises(ValueError, match="qat"):
         Student(c, setup["student_weights"], "scales")
+
+
+def test_simulator_check_reproduces_the_engine_rounds(setup, tmp_path):
+    from lab.distill import evaluate
+    t = setup["target"]
+    c = setup["config"]
+    # a draft that half agrees: the student's weights moved part way to the target's
+    tw = tiny_weights(c, seed=1)
+    mix = {n: 0.7 * w + 0.3 * setup["student_weights"][n] for n, w in tw.items()}
+    d = Engine(ex.export(c, mix, tmp_path / "d.lab", "q8"), pool=t.pool, max_context=512)
+    samples = data.answers(t, NAME, setup["prompts"][:4], 24, cache=setup["dir"] / "answers.jsonl", progress=False)
+    rows = evaluate.agreement(t, {"stock": d}, samples, gammas=(1, 3))
+    assert 0 < sum(r["matches"] for r in rows) < sum(r["positions"] for r in rows)
+    meas = evaluate.speedups(t, {"stock": d}, [(s.source, s.prompt) for s in samples], (1, 3), 24)
+    check = evaluate.simulator_check(rows, meas)
+    assert check["rounds"] > 20 and check["equal"] == check["rounds"]

@@ -21,7 +21,7 @@ def agreement(target, drafts: dict, samples, gammas=tuple(range(1, 9)), temperat
             m = acc["match"].astype(bool)
             if misses is None:
                 misses = ~m
-            rows.append({"id": s.id, "group": s.source, "draft": name, "positions": int(m.size),
+            rows.append({"id": s.id, "group": s.source, "draft": name, "positions": int(m.size), "match": m.astype(int).tolist(),
                          "matches": int(m.sum()), "beta": float(acc["beta"].sum()),
                          "stock_misses": int(misses.sum()), "miss_matches": int((m & misses).sum()),
                          **{f"rounds_{g}": len(spec.simulate_rounds(m, g)) for g in gammas}})
@@ -57,8 +57,28 @@ def speedups(target, drafts: dict, prompts, gammas=(1, 2, 3, 4), max_new_tokens:
                 if r.tokens != plain.tokens:
                     raise RuntimeError(f"speculative output differs from plain ({group}, {name}, gamma {g})")
                 rows.append({"group": group, "draft": name, "gamma": g, "speedup": r.tokens_per_s / plain.tokens_per_s,
-                             "tokens_per_round": r.tokens_per_round, "acceptance": r.acceptance})
+                             "tokens_per_round": r.tokens_per_round, "acceptance": r.acceptance,
+                             "accepted": [a for _, a in r.per_round]})
     return rows
+
+
+def simulator_check(agreement_rows: list[dict], speedup_rows: list[dict]) -> dict:
+    """The greedy simulator against the engine on the same prompts: rounds whose accepted
+    counts the simulation reproduces exactly, out of all (rows paired in order; the engine's
+    runs must have produced the same answers, i.e. the same max_new_tokens)."""
+    sims = {}
+    for r in agreement_rows:
+        sims.setdefault(r["draft"], []).append(r["match"])
+    same = total = 0
+    for d, matches in sims.items():
+        runs = [r for r in speedup_rows if r["draft"] == d]
+        per_prompt = len(runs) // max(1, len(matches))
+        for i, m in enumerate(matches):
+            for r in runs[i * per_prompt:(i + 1) * per_prompt]:
+                sim = spec.simulate_rounds(m, r["gamma"])
+                same += sum(a == b for a, b in zip(sim, r["accepted"])) if len(sim) == len(r["accepted"]) else 0
+                total += len(r["accepted"])
+    return {"rounds": total, "equal": same}
 
 
 def best_speedups(rows: list[dict]) -> list[dict]:
