@@ -230,7 +230,8 @@ def answers(target, name: str, prompts: list[Prompt], max_new_tokens: int, max_p
     """The target engine's greedy answers, cached one JSON line per prompt in `cache`
     (resumed where it stopped). Prompts longer than max_prompt_tokens are skipped."""
     from tqdm.auto import tqdm
-    cache = Path(cache or distill_dir() / f"{name}-{target.file.stem}-answers-{max_new_tokens}.jsonl")
+    from ..models.export import content_id
+    cache = Path(cache or distill_dir() / f"{name}-{content_id(target.file)[:16]}-answers-{max_new_tokens}.jsonl")
     cache.parent.mkdir(parents=True, exist_ok=True)
     done = {}
     if cache.exists():

@@ -34,7 +34,8 @@ def specbench_samples(target, target_name: str, per_group: int, max_new_tokens: 
 
 
 def run_dir(target, draft_name: str, cfg: TrainConfig, items) -> Path:
-    key = json.dumps([str(target.file), draft_name, asdict(cfg), [(it.id, len(it)) for it in items]])
+    from ..models.export import content_id
+    key = json.dumps([content_id(target.file), draft_name, asdict(cfg), [(it.id, len(it)) for it in items]])
     return data.distill_dir() / "runs" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 

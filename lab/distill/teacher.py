@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..models.export import content_id
 from .data import Sample, distill_dir
 from .losses import Teacher, sparse_teacher
 
@@ -48,7 +49,7 @@ def items(samples: list[Sample], target, draft, k: int = 32, cache: Path | None 
     cache.mkdir(parents=True, exist_ok=True)
     out = []
     for s in tqdm(samples, desc="teacher distributions", unit="seq", disable=not progress, file=sys.stderr):
-        f = cache / f"{_key(str(target.file), str(draft.file), k, s.prompt, s.answer)}.npz"
+        f = cache / f"{_key(content_id(target.file), content_id(draft.file), k, s.prompt, s.answer)}.npz"
         if not f.exists():
             tl = teacher_forced(target, s.prompt, s.answer)
             stock = teacher_forced(draft, s.prompt, s.answer).argmax(-1)

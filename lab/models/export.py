@@ -194,6 +194,16 @@ def verify(path: str | Path) -> str:
     return want.hex()
 
 
+def content_id(path: str | Path) -> str:
+    """The data region's sha256 as the header records it (cheap: reads 256 bytes), so caches
+    built from a file follow its content, not its name."""
+    with open(path, "rb") as f:
+        raw = f.read(HEADER.size)
+    if len(raw) < HEADER.size or raw[:8] != MAGIC:
+        raise ModelFileError(f"{path} is not a lab model file")
+    return HEADER.unpack(raw)[-2].hex()
+
+
 def engine_file(name: str, scheme: str = "q4-q8out", progress: bool = True) -> Path:
     """The engine's file for a registry model (or tiny model) under a scheme, exported
     once into the model cache."""
