@@ -107,7 +107,8 @@ def run(selected: list[str] | None, profile: str = "quick", overrides: dict | No
     names = selected or profiles.notebooks()
     params = profiles.load(profile, names, overrides)       # every profile error before anything runs
     pname = Path(profile).stem
-    out = Path(out_dir) if out_dir else ROOT / "outputs" / pname
+    # absolute: the notebooks run with notebooks/ as their working directory
+    out = Path(out_dir).resolve() if out_dir else ROOT / "outputs" / pname
     out.mkdir(parents=True, exist_ok=True)
     entries = []
     for i, nb in enumerate(names, 1):

@@ -69,3 +69,11 @@ def test_bad_profiles_are_rejected_before_running(collection):
 def test_shipped_profiles_are_valid():
     for name in ("quick", "default", "qwen3"):
         assert set(profiles.load(name)) == set(profiles.notebooks())
+
+
+def test_a_relative_out_folder_gets_the_results(collection, monkeypatch):
+    """The notebooks run in their own folder: a relative --out must still collect their JSON."""
+    monkeypatch.chdir(collection)
+    runner.run(["good"], "p", out_dir="rel/out")
+    assert (collection / "rel" / "out" / "good.json").exists()
+    assert json.loads((collection / "rel" / "out" / "index.json").read_text())["entries"][0]["headline"] == {"n squared": 9}
