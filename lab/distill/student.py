@@ -180,7 +180,7 @@ class Student(Reference):
         """Hugging Face-named weights as the forward pass uses them (adapters folded in, under
         qat the engine's values), for export."""
         with torch.no_grad():
-            out = {n: (self._weight(n[:-7]) if n.endswith(".weight") else t).detach().clone()
+            out = {n: (self._weight(n[:-7]) if n.endswith(".weight") else t).detach().cpu().clone()
                    for n, t in self.w.items()}
         if self.config.tie_embeddings:
             out.pop("lm_head.weight", None)
