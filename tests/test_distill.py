@@ -209,3 +209,11 @@ def test_simulator_check_reproduces_the_engine_rounds(setup, tmp_path):
     meas = evaluate.speedups(t, {"stock": d}, [(s.source, s.prompt) for s in samples], (1, 3), 24)
     check = evaluate.simulator_check(rows, meas)
     assert check["rounds"] > 20 and check["equal"] == check["rounds"]
+
+
+def test_a_draft_from_another_family_is_refused_before_any_work(setup, tmp_path):
+    from lab.distill import pipeline
+    c = TINY["tiny-llama"]
+    other = Engine(ex.export(c, tiny_weights(c), tmp_path / "llama.lab", "q8"), pool=setup["target"].pool)
+    with pytest.raises(ValueError, match="vocabulary"):
+        pipeline.prepare(setup["target"], NAME, other, ["math"], 4, 0.2, 8, 64, 8)

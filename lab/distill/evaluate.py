@@ -3,7 +3,10 @@ its own answers (α greedy, α sampled, α on the stock draft's misses, simulate
 the speedup each draft buys in the engine."""
 from __future__ import annotations
 
+import sys
+
 import numpy as np
+from tqdm.auto import tqdm
 
 from .. import spec
 from .teacher import teacher_forced
@@ -13,7 +16,7 @@ def agreement(target, drafts: dict, samples, gammas=tuple(range(1, 9)), temperat
     """One row per sample and draft. The first draft is the stock one: its misses (top-1
     unlike the target's token) are the positions `miss_matches` counts for every draft."""
     rows = []
-    for s in samples:
+    for s in tqdm(samples, desc="agreement", unit="seq", file=sys.stderr):
         tl = teacher_forced(target, s.prompt, s.answer)
         misses = None
         for name, d in drafts.items():
@@ -49,7 +52,7 @@ def speedups(target, drafts: dict, prompts, gammas=(1, 2, 3, 4), max_new_tokens:
     back (plain first, then the drafts alternating) so drift hits them alike; every output is
     checked equal to plain. prompts: (group, ids)."""
     rows = []
-    for group, ids in prompts:
+    for group, ids in tqdm(prompts, desc="speedups", unit="prompt", file=sys.stderr):
         plain = target.generate(ids, max_new_tokens)
         for g in gammas:
             for name, d in drafts.items():

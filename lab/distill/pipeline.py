@@ -17,6 +17,9 @@ from .train import TrainConfig, train
 def prepare(target, target_name: str, stock, sources, per_source: int, held_out: float, max_new_tokens: int,
             max_prompt_tokens: int, top_k: int, seed: int = 0) -> dict:
     """Prompts (decontaminated, split), the target's answers and the teacher items."""
+    if target.vocab != stock.vocab:
+        raise ValueError(f"the draft's vocabulary ({stock.vocab}) differs from the target's ({target.vocab}): "
+                         f"choose a draft from the target's family")
     sel = data.select(sources, per_source, seed)
     train_p, held_p = data.split(sel["prompts"], held_out)
     out = {"selection": sel, "train_prompts": train_p, "held_prompts": held_p}
