@@ -37,6 +37,17 @@ def cache_dir() -> Path:
     return Path(root)
 
 
+def flags() -> list[str]:
+    """The build flags; LAB_PREFETCH=<bytes> overrides the AVX-512 kernel's prefetch distance
+    (for sweeps: each value is its own cached build)."""
+    v = os.environ.get("LAB_PREFETCH")
+    if not v:
+        return FLAGS
+    if not v.isdigit() or not 0 < int(v) <= 1 << 16:
+        raise NativeBuildError(f"LAB_PREFETCH={v!r}: give a distance in bytes, 1..65536")
+    return [*FLAGS, f"-DLAB_PREFETCH={int(v)}"]
+
+
 def compiler() -> str:
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not cxx or not shutil.which(cxx):
@@ -67,7 +78,7 @@ def build_key(cxx: str | None = None) -> str:
     h = hashlib.sha256()
     for p in _sources():
         h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
-    h.update(" ".join(FLAGS).encode() + b"\0" + _compiler_version(cxx).encode())
+    h.update(" ".join(flags()).encode() + b"\0" + _compiler_version(cxx).encode())
     return h.hexdigest()[:20]
 
 
@@ -85,7 +96,7 @@ def build(verbose: bool = False) -> Path:
             return lib_path
         fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so")
         os.close(fd)
-        cmd = [cxx, *FLAGS, "-o", tmp, *[str(p) for p in _sources() if p.suffix == ".cpp"]]
+        cmd = [cxx, *flags(), "-o", tmp, *[str(p) for p in _sources() if p.suffix == ".cpp"]]
         if verbose:
             print(" ".join(cmd))
         proc = subprocess.run(cmd, capture_output=True, text=True)

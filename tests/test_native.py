@@ -119,3 +119,13 @@ def test_gil_released_while_cpp_runs():
         time.sleep(0.001)
     t.join()
     assert len(ticks) > 5
+
+
+def test_prefetch_knob_is_checked_and_keys_the_build(monkeypatch):
+    monkeypatch.delenv("LAB_PREFETCH", raising=False)
+    plain = native.build_key()
+    monkeypatch.setenv("LAB_PREFETCH", "4096")
+    assert "-DLAB_PREFETCH=4096" in native.flags() and native.build_key() != plain
+    monkeypatch.setenv("LAB_PREFETCH", "lots")
+    with pytest.raises(native.NativeBuildError, match="LAB_PREFETCH"):
+        native.flags()
