@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import numpy as np
+
 
 def tau(alpha: float, gamma: int) -> float:
     """Expected tokens per round with γ guesses accepted independently with probability α."""
@@ -20,8 +22,13 @@ def v_at(v: dict[int, float], k: float) -> float:
     return v[lo] + (k - lo) * (v[lo + 1] - v[lo])
 
 
+def round_cost(gamma: int, c: float, v: dict[int, float], o: float) -> float:
+    """One round's time in target steps: γ draft steps, the verification pass, the overhead."""
+    return gamma * c + v[gamma + 1] + o
+
+
 def speedup(alpha: float, gamma: int, c: float, v: dict[int, float], o: float) -> float:
-    return tau(alpha, gamma) / (gamma * c + v[gamma + 1] + o)
+    return tau(alpha, gamma) / round_cost(gamma, c, v, o)
 
 
 def best_gamma(alpha: float, c: float, v: dict[int, float], o: float, gammas=range(1, 9)) -> tuple[int, float]:
@@ -69,7 +76,6 @@ def simulate_rounds(accept, gamma: int, rng=None) -> list[int]:
     accept[j] is whether (greedy: 0 or 1, the draft's top-1 equals the target's token j)
     or with what probability (sampling: min(1, q(x_j)/p(x_j)) for the target-sampled x_j)
     the draft's guess for token j is accepted; probabilities need a numpy Generator."""
-    import numpy as np
     accept = np.asarray(accept, dtype=float)
     if not 1 <= gamma <= 16:
         raise ValueError(f"gamma={gamma}: one round verifies 1 to 16 guesses")
@@ -90,7 +96,6 @@ def simulate_rounds(accept, gamma: int, rng=None) -> list[int]:
 def simulated_tau(accept, gamma: int, draws: int = 0, seed: int = 0) -> float:
     """Tokens per round over the text: exact for 0/1 acceptance; the mean over `draws`
     seeded replays for probabilities."""
-    import numpy as np
     n = len(accept)
     if not draws:
         return n / len(simulate_rounds(accept, gamma))
@@ -99,7 +104,6 @@ def simulated_tau(accept, gamma: int, draws: int = 0, seed: int = 0) -> float:
 
 
 def _softmax(x, temperature: float = 1.0):
-    import numpy as np
     z = x / temperature
     z = z - z.max(-1, keepdims=True)
     e = np.exp(z)
@@ -112,7 +116,6 @@ def acceptance(target_logits, draft_logits, tokens=None, temperature: float = 1.
     temperature: the expected α when sampling) and, given the tokens the target sampled,
     `accept` = min(1, q(x)/p(x)) for the sampling simulator. Rows in chunks: [T, vocab]
     probabilities never exist at once."""
-    import numpy as np
     t_all, d_all = np.asarray(target_logits), np.asarray(draft_logits)
     if t_all.shape != d_all.shape:
         raise ValueError(f"target logits {t_all.shape} and draft logits {d_all.shape} differ in shape")

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from lab import spec
+from lab.distill.teacher import teacher_forced
 from lab.engine import Engine
 from lab.kernels import Pool
 from lab.models import TINY, tiny_weights
@@ -57,12 +58,6 @@ def pair(tmp_path_factory):
         df = ex.export(c, dw, d / f"{name}-d.lab", "q4")
         out[name] = (Engine(tf, pool=pool, max_context=512), Engine(df, pool=pool, max_context=512))
     return out
-
-
-def teacher_forced(engine, prompt, tokens):
-    """Logits predicting each generated token, from one pass over prompt + tokens."""
-    ids = list(prompt) + list(tokens[:-1])
-    return engine.forward(ids, 0)[len(prompt) - 1:]
 
 
 def test_greedy_simulation_equals_the_engine(pair):

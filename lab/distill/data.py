@@ -18,7 +18,7 @@ import re
 import sys
 import sysconfig
 import zipfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..native import cache_dir
@@ -43,7 +43,6 @@ class Sample:
     source: str
     prompt: list[int]
     answer: list[int]
-    extra: dict = field(default_factory=dict)
 
 
 def distill_dir() -> Path:

@@ -73,9 +73,6 @@ class Teacher:
     def to(self, dev) -> "Teacher":
         return Teacher(self.ids.to(dev), self.logp.to(dev), self.next_token.to(dev), self.stock_wrong.to(dev))
 
-    def slice(self, a: int, b: int) -> "Teacher":
-        return Teacher(self.ids[a:b], self.logp[a:b], self.next_token[a:b], self.stock_wrong[a:b])
-
 
 def sparse_teacher(logits: np.ndarray, k: int, next_token, stock_top1=None) -> Teacher:
     """Top-k log-probabilities (temperature 1) of logits [N, vocab]; stock_top1 [N]: the stock
@@ -92,12 +89,14 @@ def sparse_teacher(logits: np.ndarray, k: int, next_token, stock_top1=None) -> T
                    torch.as_tensor(np.asarray(next_token), dtype=torch.long), torch.from_numpy(wrong))
 
 
-def per_position(kind: str, h: torch.Tensor, w: torch.Tensor, t: Teacher, chunk: int = 8192) -> torch.Tensor:
+def per_position(kind: str, h: torch.Tensor, w: torch.Tensor, t: Teacher, chunk: int = 8192,
+                 logz: torch.Tensor | None = None) -> torch.Tensor:
     """The loss at each position: h [N, hidden] the student's final hidden states, w its
-    output matrix (rows up to the tokenizer's length)."""
+    output matrix (rows up to the tokenizer's length); logz, when already computed, saves
+    the pass over the vocabulary."""
     if kind not in KINDS:
         raise ValueError(f"loss {kind!r}: choose one of {', '.join(KINDS)}")
-    logz = log_normaliser(h, w, chunk)
+    logz = log_normaliser(h, w, chunk) if logz is None else logz
     if kind == "ce":
         return logz - (h * w[t.next_token]).sum(-1)
     logq = torch.einsum("nh,nkh->nk", h, w[t.ids]) - logz[:, None]

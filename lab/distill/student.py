@@ -140,14 +140,15 @@ class Student(Reference):
         after each step."""
         if not self.qat or self.method == "scales":
             return
-        self._rounded = {}
-        done = {}
+        self._rounded = {}                      # cleared: _weight below gives the unrounded values
+        done, rounded = {}, {}
         for n in self.quantized:
-            key = (id(self.w[n]), tensor_format(n, self.qat)) if n[:-7] not in self.lora else n
+            fmt = tensor_format(n, self.qat)
+            key = (id(self.w[n]), fmt) if n[:-7] not in self.lora else n      # a tied tensor rounds once
             if key not in done:
-                eff = self.w[n] + ((self.lora[n[:-7]][1] @ self.lora[n[:-7]][0]) * self.scale if n[:-7] in self.lora else 0)
-                done[key] = fake_quant_weight(eff, tensor_format(n, self.qat))
-            self._rounded[n] = done[key]
+                done[key] = fake_quant_weight(self._weight(n[:-7]), fmt)
+            rounded[n] = done[key]
+        self._rounded = rounded
 
     def linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         if name + ".weight" in self.quantized:

@@ -22,7 +22,7 @@ from .teacher import Item
 class TrainConfig:
     loss: str = "weighted"          # one of losses.KINDS
     weight: float = 4.0             # extra weight on the stock draft's misses ("weighted")
-    method: str = "full"            # full | frozen-emb | lora
+    method: str = "full"            # one of student.METHODS
     rank: int = 16                  # LoRA rank
     lr: float = 2e-5
     weight_decay: float = 0.0
@@ -70,7 +70,7 @@ def device_of(cfg: TrainConfig) -> torch.device:
 
 @torch.no_grad()
 def evaluate(student: Student, held: list[Item], cfg: TrainConfig) -> dict:
-    """Held-out loss and agreement of the student's fp32 distributions with the teacher's:
+    """Held-out loss and agreement of the student's distributions (the twin's under qat) with the teacher's:
     top-1 agreement (α greedy), on the stock draft's misses, and 1 − TVD of the coarsened
     distributions (a bound on α when sampling)."""
     w = student.output_matrix
@@ -78,8 +78,10 @@ def evaluate(student: Student, held: list[Item], cfg: TrainConfig) -> dict:
     for it in held:
         h = student.hidden(it.tokens)[it.start:]
         t = it.teacher.to(h.device)
-        tot["loss"] += float(losses.per_position(cfg.loss if cfg.loss != "weighted" else "fkl", h, w, t, cfg.chunk).sum())
-        tot["one_minus_tvd"] += float((1 - losses.per_position("tvd", h, w, t, cfg.chunk)).sum())
+        logz = losses.log_normaliser(h, w, cfg.chunk)
+        kind = cfg.loss if cfg.loss != "weighted" else "fkl"
+        tot["loss"] += float(losses.per_position(kind, h, w, t, logz=logz).sum())
+        tot["one_minus_tvd"] += float((1 - losses.per_position("tvd", h, w, t, logz=logz)).sum())
         best = _argmax(h, w, cfg.chunk)
         hit = best == t.ids[:, 0]
         tot["match"] += float(hit.sum())
