@@ -55,8 +55,9 @@ public:
     int size() const;
     int cpu(int tid) const;     // the CPU a thread is pinned to, -1 when unpinned
     bool pinned() const;
-    // Calls fn over [0, n) in pieces: static contiguous ranges when chunk <= 0,
-    // otherwise chunks of `chunk` items handed out from an atomic counter.
+    // Calls fn over [0, n) in pieces: static contiguous ranges when chunk == 0; chunks of
+    // `chunk` items handed out from an atomic counter when chunk > 0; guided when chunk < 0:
+    // each hand-out takes a 1/(4 x threads) share of what is left, never fewer than -chunk.
     void parallel_for(int n, int chunk, RowFn fn, void* ctx);
     struct Impl;
 private:
@@ -64,6 +65,12 @@ private:
 };
 
 int online_cpus();
+
+// The matmuls' split: guided, down to 8 tiles. A weight stream wants long runs per thread
+// (each jump restarts the prefetchers and strands the prefetches past a run's end; 8-tile
+// runs cost ~20% of the read rate when the bus is fast), and the shrinking tail keeps the
+// threads finishing together on a shared machine.
+constexpr int SPLIT_GUIDED = -8;
 
 // ----------------------------------------------------------------------------
 // Block formats (split layout: scales region, then bytes region)
@@ -171,7 +178,7 @@ enum MatmulStatus : int {
 };
 
 // y[t * ldy + r] = sum_c W[r, c] * A[t, c] for t < A.k(), r < W.rows. Work is split over
-// the pool by tiles of 16 rows: statically, or in chunks of `chunk` tiles.
+// the pool by tiles of 16 rows as parallel_for splits items (chunk: 0, n > 0 or guided < 0).
 int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path,
            ThreadPool* pool, int chunk);
 
@@ -262,8 +269,8 @@ public:
     // given: [layers][k][hidden_size] after every layer. Returns an EngineStatus.
     int forward(const int32_t* tokens, int k, int pos, float* logits, int mode, float* hidden,
                 ThreadPool* pool, int path);
-    // How matmuls split their tiles over the pool: 0 static halves, n > 0 chunks of n tiles
-    // (the default, 8). Results are identical either way; only the timing moves.
+    // How matmuls split their tiles over the pool: 0 static halves, n > 0 chunks of n tiles,
+    // SPLIT_GUIDED (the default). Results are identical either way; only the timing moves.
     void set_chunk(int tiles);
     struct Impl;
 private:

@@ -187,7 +187,7 @@ struct Model::Impl {
     std::vector<float> scratch;        // per thread: scores [group][ctx] + a K/V row
     QActs acts;
     bool loaded = false;
-    int split_tiles = 8;       // tiles per hand-out: on a shared machine one thread often runs late
+    int split_tiles = SPLIT_GUIDED;
 
     bool fail(const std::string& m) { err = m; return false; }
     bool bind(const char* name, Mat& m, int rows, int cols);
@@ -224,7 +224,7 @@ Model::~Model() { delete impl_; }
 const char* Model::error() const { return impl_->err.c_str(); }
 const FileHeader& Model::config() const { return impl_->h; }
 int Model::max_context() const { return impl_->max_ctx; }
-void Model::set_chunk(int tiles) { impl_->split_tiles = tiles < 0 ? 0 : tiles; }
+void Model::set_chunk(int tiles) { impl_->split_tiles = tiles; }
 int Model::vocab() const { return impl_->vocab; }
 
 int64_t Model::weight_bytes() const {

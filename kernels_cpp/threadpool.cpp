@@ -51,9 +51,19 @@ struct ThreadPool::Impl {
     int items = 0, chunk = 0;
 
     void work(int tid) {
-        if (chunk <= 0) {
+        if (chunk == 0) {
             const int b = (int)((int64_t)items * tid / n), e = (int)((int64_t)items * (tid + 1) / n);
             if (b < e) fn(ctx, b, e, tid);
+            return;
+        }
+        if (chunk < 0) {
+            int b = next.load(std::memory_order_relaxed);
+            while (b < items) {
+                const int share = (items - b) / (4 * n), c = share > -chunk ? share : -chunk;
+                if (!next.compare_exchange_weak(b, b + c, std::memory_order_relaxed)) continue;
+                fn(ctx, b, b + c < items ? b + c : items, tid);
+                b = next.load(std::memory_order_relaxed);
+            }
             return;
         }
         for (;;) {

@@ -169,14 +169,14 @@ def _matmul_samples(W, acts, pool, path, chunk, reps):
 
 
 def kernel_records(fmt: str, shape, ks, pool: kernels.Pool, working_set: str, path: int,
-                   peak_gmacs: float, rounds: int, reps: int, reader=None, chunk: int = 0) -> list[dict]:
+                   peak_gmacs: float, rounds: int, reps: int, reader=None, chunk: int | str = "guided") -> list[dict]:
     """Times each k (interleaved); with `reader`, read-bandwidth samples ride in the same
     rounds and each share of bandwidth is a paired ratio."""
     rows, cols = shape
     W = kernels.pack(kernels.random_qtensor(fmt, rows, cols, seed=rows))
     rng = np.random.default_rng(0)
     acts = {k: kernels.Acts(rng.standard_normal((k, cols), dtype=np.float32), native.PATHS[path]) for k in ks}
-    cands = {k: (lambda a=acts[k]: [W.nbytes / s / 1e9 for s in _matmul_samples(W, a, pool, path, chunk, reps)])
+    cands = {k: (lambda a=acts[k]: [W.nbytes / s / 1e9 for s in _matmul_samples(W, a, pool, path, kernels.split_code(chunk), reps)])
              for k in ks}
     if reader:
         cands["read"] = reader
@@ -359,22 +359,26 @@ def speculative_bench(target: str, draft: str | None, prompt_ids: list[tuple[str
             "threads": pool.threads, "max_new_tokens": max_new_tokens, "rows": rows}
 
 
+SPLITS = {"static": 0, "dynamic": 8, "guided": "guided"}   # names -> Engine.set_chunk
+
+
 def threads_bench(target: str, draft: str, scheme: str = "q4-q8out", context: int = 256, gamma: int = 4,
                   rounds: int = 5, reps: int = 3, max_threads: int | None = None) -> list[dict]:
     """A draft step, a target step and a verification pass (gamma + 1 tokens), each timed under
-    every configuration: thread count, pinned or not, static or dynamic tile chunks."""
+    every configuration: thread count, pinned or not, and the split of tiles — static halves,
+    fixed 8-tile hand-outs ("dynamic") or shrinking shares ("guided", the engine's default)."""
     from .engine import Engine
     from .models.export import engine_file
     n = max_threads or len(os.sched_getaffinity(0))
     configs = [(t, pin, chunk) for t in range(1, n + 1) for pin in ((True, False) if t > 1 else (True,))
-               for chunk in ((0, 8) if t > 1 else (0,))]
+               for chunk in (SPLITS if t > 1 else ("static",))]
     rows = []
     for t, pin, chunk in configs:
         pool = kernels.Pool(t, pin=pin)
         te = Engine(engine_file(target, scheme), pool=pool, max_context=context + 32)
         de = Engine(engine_file(draft, scheme), pool=pool, max_context=context + 32)
         for e in (te, de):
-            e.set_chunk(chunk)
+            e.set_chunk(SPLITS[chunk])
         ids = _fill(te, context)
         de.forward(ids, 0, logits="none")
         one = ids[-1:].copy()
@@ -384,9 +388,9 @@ def threads_bench(target: str, draft: str, scheme: str = "q4-q8out", context: in
                  f"verification (k={gamma + 1})": lambda: _forward_samples(te, batch, context, 2, reps)}
         for phase, secs in interleave(cands, rounds).items():
             st = summary(flat(secs))
-            rows.append({"phase": phase, "threads": t, "pinned": pin, "split": "dynamic" if chunk else "static",
+            rows.append({"phase": phase, "threads": t, "pinned": pin, "split": chunk,
                          "ms": st["median"] * 1e3, "ms_iqr": st["iqr"] * 1e3,
-                         "config": f"{t} thr, {'pinned' if pin else 'unpinned'}, {'dynamic' if chunk else 'static'}"})
+                         "config": f"{t} thr, {'pinned' if pin else 'unpinned'}, {chunk}"})
     return rows
 
 

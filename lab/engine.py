@@ -12,7 +12,7 @@ import numpy as np
 
 from . import native
 from .errors import LabError
-from .kernels import Pool, _pool_ptr, check_array
+from .kernels import Pool, _pool_ptr, check_array, split_code
 
 _STATUS = {1: "the context is longer than the cache", 2: "a token id is outside the vocabulary",
            3: "the prompt is empty", 4: "gamma must be 1..16", 5: "the draft's vocabulary differs from the target's",
@@ -102,11 +102,13 @@ class Engine:
         self.eos_ids = [int(h.eos[i]) for i in range(int(h.n_eos))]
         self.arch = {1: "qwen3", 2: "qwen2", 3: "llama"}[int(h.arch)]
 
-    def set_chunk(self, tiles: int) -> None:
-        """Matmul work split: 0 static halves, n > 0 chunks of n 16-row tiles (default 8)."""
-        if not isinstance(tiles, int) or tiles < 0:
-            raise EngineError(f"chunk must be 0 (static) or a positive tile count, got {tiles!r}")
-        self._m.set_chunk(tiles)
+    def set_chunk(self, tiles: int | str) -> None:
+        """Matmul work split: 0 static halves, n > 0 chunks of n 16-row tiles, or "guided"
+        (the default: shares of what is left, shrinking to 8 tiles)."""
+        try:
+            self._m.set_chunk(split_code(tiles))
+        except ValueError as e:
+            raise EngineError(str(e)) from None
 
     @property
     def weight_bytes(self) -> int:

@@ -153,12 +153,22 @@ def pack(W: QTensor) -> Packed:
     return Packed(W)
 
 
-def matmul(W, x, path: str | None = None, pool: Pool | None = None, chunk: int = 0,
+def split_code(split: int | str) -> int:
+    """How work on 16-row tiles is split over a pool, as the C++ takes it: 0 static halves,
+    n > 0 hands out n tiles at a time, "guided" (the engine's) shares shrinking to 8 tiles."""
+    if split == "guided":
+        return int(native.lib().SPLIT_GUIDED)
+    if isinstance(split, bool) or not isinstance(split, int) or split < 0:
+        raise ValueError(f"split must be 0 (static), a positive tile count or 'guided', got {split!r}")
+    return split
+
+
+def matmul(W, x, path: str | None = None, pool: Pool | None = None, chunk: int | str = 0,
            out: np.ndarray | None = None) -> np.ndarray:
     """y[t, r] = sum_c W[r, c] x[t, c] for k = 1..16 tokens in one pass over W -> [k, rows].
 
     W: a QTensor (packed on each call) or a Packed; x: float32 [k, cols] or an Acts.
-    chunk: 0 splits tiles of 16 rows statically over the pool, n > 0 hands out n tiles at a time.
+    chunk: the split over the pool (see split_code); the result is the same for every split.
     """
     Wp = W if isinstance(W, Packed) else Packed(W)
     acts = x if isinstance(x, Acts) else Acts(x, path)
@@ -167,14 +177,13 @@ def matmul(W, x, path: str | None = None, pool: Pool | None = None, chunk: int =
         raise ValueError(f"x has {acts.cols} columns but W has shape {Wp.shape}")
     if not 1 <= acts.k <= MAX_K:
         raise ValueError(f"x holds k={acts.k} tokens: one pass takes 1 to {MAX_K}")
-    if not isinstance(chunk, int) or chunk < 0:
-        raise ValueError(f"chunk must be 0 (static split) or a positive tile count, got {chunk!r}")
+    code = split_code(chunk)
     if out is None:
         out = np.empty((acts.k, Wp.rows), np.float32)
     check_array(out, "out", np.float32, ndim=2)
     if out.shape != (acts.k, Wp.rows):
         raise ValueError(f"out has shape {out.shape}, needs {(acts.k, Wp.rows)}")
-    rc = native.lib().matmul(Wp.view(), acts._acts, out, Wp.rows, p, _pool_ptr(pool), chunk)
+    rc = native.lib().matmul(Wp.view(), acts._acts, out, Wp.rows, p, _pool_ptr(pool), code)
     if rc:
         raise ValueError(f"matmul: {_MM_ERRORS.get(rc, rc)}")
     return out

@@ -98,6 +98,18 @@ def test_k_token_pass_equals_single_passes(files, scheme):
             assert got.tobytes() == singles[:k].tobytes(), (threads, k)
 
 
+def test_every_split_gives_the_same_logits(files, pool):
+    toks = prompts(TINY["tiny-qwen3"], 1, seed=3)[0] + list(range(20))
+    e = Engine(files["tiny-qwen3"]["q4-q8out"], pool=pool, max_context=128)
+    want = e.forward(toks, 0)                      # the default split: guided
+    for split in (0, 1, 8, "guided"):
+        e.set_chunk(split)
+        assert e.forward(toks, 0).tobytes() == want.tobytes(), split
+    for bad in (-8, "fast"):
+        with pytest.raises(EngineError, match="split"):
+            e.set_chunk(bad)
+
+
 def _eos_engine(path, pool, eos):
     e = Engine(path, pool=pool, max_context=512)
     e.eos_ids = eos

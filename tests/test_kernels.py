@@ -64,13 +64,14 @@ def test_k_tokens_equal_k_single_calls(fmt, path, rng):
 
 
 @pytest.mark.parametrize("path", native.supported_paths())
-def test_thread_split_changes_nothing(fmt, path, rng):
-    W = formats.quantize(rng.standard_normal((257, 1024)).astype(np.float32), fmt)
-    x = rng.standard_normal((4, 1024)).astype(np.float32)
+@pytest.mark.parametrize("rows", [257, 3001])   # guided: one share of 8 tiles, then shares > 8
+def test_thread_split_changes_nothing(fmt, path, rows, rng):
+    W = formats.quantize(rng.standard_normal((rows, 256)).astype(np.float32), fmt)
+    x = rng.standard_normal((4, 256)).astype(np.float32)
     one = kernels.matmul(W, x, path=path)
     threads = min(2, len(__import__("os").sched_getaffinity(0)))
     pool = kernels.Pool(threads)
-    for chunk in (0, 1, 16, 1000):
+    for chunk in (0, 1, 16, 1000, "guided"):
         got = kernels.matmul(W, x, path=path, pool=pool, chunk=chunk)
         assert np.array_equal(bits(got), bits(one)), chunk
     unpinned = kernels.Pool(threads, pin=False)
@@ -150,8 +151,9 @@ def test_bad_path_and_chunk(W):
     x = np.ones((1, 64), np.float32)
     with pytest.raises(ValueError, match="not a kernel path"):
         kernels.matmul(W, x, path="neon")
-    with pytest.raises(ValueError, match="chunk"):
-        kernels.matmul(W, x, chunk=-1)
+    for bad in (-1, "fast", True, 2.0):
+        with pytest.raises(ValueError, match="split"):
+            kernels.matmul(W, x, chunk=bad)
     if "avxvnni" not in native.supported_paths():
         with pytest.raises(native.UnsupportedCPU, match="lacks"):
             kernels.matmul(W, x, path="avxvnni")
