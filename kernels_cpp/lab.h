@@ -57,7 +57,7 @@ public:
     bool pinned() const;
     // Calls fn over [0, n) in pieces: static contiguous ranges when chunk == 0; chunks of
     // `chunk` items handed out from an atomic counter when chunk > 0; guided when chunk < 0:
-    // each hand-out takes a 1/(4 x threads) share of what is left, never fewer than -chunk.
+    // each hand-out takes a 1/(2 x threads) share of what is left, never fewer than -chunk.
     void parallel_for(int n, int chunk, RowFn fn, void* ctx);
     struct Impl;
 private:
@@ -66,11 +66,12 @@ private:
 
 int online_cpus();
 
-// The matmuls' split: guided, down to 8 tiles. A weight stream wants long runs per thread
-// (each jump restarts the prefetchers and strands the prefetches past a run's end; 8-tile
-// runs cost ~20% of the read rate when the bus is fast), and the shrinking tail keeps the
-// threads finishing together on a shared machine.
-constexpr int SPLIT_GUIDED = -8;
+// The matmuls' split: guided, shares shrinking to ~96 KB of weights. A weight stream wants
+// long runs per thread (each jump restarts the prefetchers and strands the prefetches past a
+// run's end; 96 KB runs cost ~20% of the read rate when the bus is fast), and the shrinking
+// tail keeps the threads finishing together on a shared machine.
+constexpr int SPLIT_GUIDED = -1;
+constexpr int64_t GUIDED_MIN_BYTES = 96 << 10;
 
 // ----------------------------------------------------------------------------
 // Block formats (split layout: scales region, then bytes region)
@@ -178,7 +179,7 @@ enum MatmulStatus : int {
 };
 
 // y[t * ldy + r] = sum_c W[r, c] * A[t, c] for t < A.k(), r < W.rows. Work is split over
-// the pool by tiles of 16 rows as parallel_for splits items (chunk: 0, n > 0 or guided < 0).
+// the pool by tiles of 16 rows: chunk 0 static, n > 0 n tiles at a time, SPLIT_GUIDED.
 int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path,
            ThreadPool* pool, int chunk);
 

@@ -73,6 +73,35 @@ static inline __m256 sum8(const __m256* a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// out[g][i0, i0 + 8L) = sum over positions of scores[g][t] V[t][i0, i0 + 8L) for G query
+// heads: their accumulators stay in registers across every position, so the sum costs a
+// fused multiply-add per 8 values and no store until the end.
+template <int G, int L>
+static inline void values_slice(const float* scores, int n, const uint16_t* V, int D, int i0, float* out) {
+    __m256 acc[G][L];
+    for (int g = 0; g < G; g++)
+        for (int l = 0; l < L; l++) acc[g][l] = _mm256_setzero_ps();
+    for (int t = 0; t < n; t++) {
+        __m256 v[L];
+        for (int l = 0; l < L; l++)
+            v[l] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(V + (size_t)t * D + i0 + 8 * l)));
+        for (int g = 0; g < G; g++) {
+            const __m256 p = _mm256_broadcast_ss(scores + (size_t)g * n + t);
+            for (int l = 0; l < L; l++) acc[g][l] = _mm256_fmadd_ps(p, v[l], acc[g][l]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int l = 0; l < L; l++) _mm256_storeu_ps(out + (size_t)g * D + i0 + 8 * l, acc[g][l]);
+}
+
+// G query heads' weighted sums of the values, D in slices of 16 (and a last one of 8).
+template <int G>
+static void values(const float* scores, int n, const uint16_t* V, int D, float* out) {
+    int i = 0;
+    for (; i + 16 <= D; i += 16) values_slice<G, 2>(scores, n, V, D, i, out);
+    if (i < D) values_slice<G, 1>(scores, n, V, D, i, out);
+}
+
 // D is a multiple of 8 (checked at load). Scores go eight positions at a time: the K rows
 // are converted once into `row` (8 x D floats) and serve every query head of the group.
 void attend_avx2(const float* q, const uint16_t* K, const uint16_t* V, int n, int D, int group,
@@ -80,6 +109,11 @@ void attend_avx2(const float* q, const uint16_t* K, const uint16_t* V, int n, in
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int t0 = 0; t0 < n; t0 += 8) {
         const int m = n - t0 < 8 ? n - t0 : 8;
+        // the cache streams from memory: K two batches ahead into L1, this batch's V into L2
+        for (int b = 0; b < 8 * D * 2; b += 64) {
+            if (t0 + 16 < n) _mm_prefetch((const char*)(K + (size_t)(t0 + 16) * D) + b, _MM_HINT_T0);
+            if (b < m * D * 2) _mm_prefetch((const char*)(V + (size_t)t0 * D) + b, _MM_HINT_T1);
+        }
         for (int p = 0; p < 8; p++)
             for (int i = 0; i < D; i += 8)
                 _mm256_store_ps(row + p * D + i, p < m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(K + (size_t)(t0 + p) * D + i)))
@@ -98,12 +132,17 @@ void attend_avx2(const float* q, const uint16_t* K, const uint16_t* V, int n, in
     }
     for (int g = 0; g < group; g++) {
         float* s = scores + (size_t)g * n;
-        float mx = s[0];
-        for (int t = 1; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+        __m256 vm = _mm256_set1_ps(s[0]);
+        int t = 0;
+        for (; t + 8 <= n; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + t));
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, vm);
+        float mx = lanes[0];
+        for (int i = 1; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
+        for (; t < n; t++) mx = s[t] > mx ? s[t] : mx;
         const __m256 vmx = _mm256_set1_ps(mx);
         __m256 acc = _mm256_setzero_ps();
-        int t = 0;
-        for (; t + 8 <= n; t += 8) {
+        for (t = 0; t + 8 <= n; t += 8) {
             const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
             _mm256_storeu_ps(s + t, e);
             acc = _mm256_add_ps(acc, e);
@@ -115,14 +154,14 @@ void attend_avx2(const float* q, const uint16_t* K, const uint16_t* V, int n, in
         for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), vinv));
         for (; t < n; t++) s[t] *= inv;
     }
-    for (int i = 0; i < group * D; i += 8) _mm256_storeu_ps(out + i, _mm256_setzero_ps());
-    for (int t = 0; t < n; t++) {
-        for (int i = 0; i < D; i += 8)
-            _mm256_store_ps(row + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(V + (size_t)t * D + i))));
-        for (int g = 0; g < group; g++) {
-            const __m256 p = _mm256_set1_ps(scores[(size_t)g * n + t]);
-            for (int i = 0; i < D; i += 8)
-                _mm256_storeu_ps(out + g * D + i, _mm256_fmadd_ps(p, _mm256_load_ps(row + i), _mm256_loadu_ps(out + g * D + i)));
+    for (int g0 = 0; g0 < group; g0 += 4) {
+        const float* s = scores + (size_t)g0 * n;
+        float* o = out + (size_t)g0 * D;
+        switch (group - g0 < 4 ? group - g0 : 4) {
+            case 4: values<4>(s, n, V, D, o); break;
+            case 3: values<3>(s, n, V, D, o); break;
+            case 2: values<2>(s, n, V, D, o); break;
+            default: values<1>(s, n, V, D, o); break;
         }
     }
 }

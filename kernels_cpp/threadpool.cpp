@@ -59,7 +59,7 @@ struct ThreadPool::Impl {
         if (chunk < 0) {
             int b = next.load(std::memory_order_relaxed);
             while (b < items) {
-                const int share = (items - b) / (4 * n), c = share > -chunk ? share : -chunk;
+                const int share = (items - b) / (2 * n), c = share > -chunk ? share : -chunk;
                 if (!next.compare_exchange_weak(b, b + c, std::memory_order_relaxed)) continue;
                 fn(ctx, b, b + c < items ? b + c : items, tid);
                 b = next.load(std::memory_order_relaxed);
