@@ -19,13 +19,6 @@ double now() {
     return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-int argmax(const float* x, int n) {
-    int best = 0;
-    for (int i = 1; i < n; i++)
-        if (x[i] > x[best]) best = i;
-    return best;
-}
-
 float top_probability(const float* logits, int n) {
     const float mx = logits[argmax(logits, n)];
     double z = 0;

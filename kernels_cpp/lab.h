@@ -284,6 +284,9 @@ struct SampleParams {
     float top_p = 1.f;               // 1: off
 };
 
+// The first index holding the largest of x[0..n): every greedy pick.
+int argmax(const float* x, int n);
+
 // Warps logits[n] into probabilities (temperature, top-k, top-p); greedy puts all mass on
 // the argmax. The distribution every sample and every acceptance test uses.
 void warp(const float* logits, int n, const SampleParams& sp, float* probs);

@@ -40,11 +40,42 @@ double Rng::uniform() { return (double)(next() >> 11) * 0x1.0p-53; }
 // The warped distribution
 // ----------------------------------------------------------------------------
 
-static int argmax(const float* x, int n) {
+static int argmax_scalar(const float* x, int n) {
     int best = 0;
     for (int i = 1; i < n; i++)
         if (x[i] > x[best]) best = i;
     return best;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+// The scalar loop's answer (the first index holding the maximum) for any input without NaNs,
+// in two vector passes instead of one with a loop-carried index: the largest value, then
+// where it first is. (Logits are checked finite upstream; with NaNs it stays in range.)
+static int argmax_avx2(const float* x, int n) {
+    if (n < 16) return argmax_scalar(x, n);
+    __m256 m = _mm256_loadu_ps(x);
+    int i = 8;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    float mx = lanes[0];
+    for (int j = 1; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+    for (; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    const __m256 vmx = _mm256_set1_ps(mx);
+    for (i = 0; i + 8 <= n; i += 8) {
+        const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vmx, _CMP_EQ_OQ));
+        if (hit) return i + __builtin_ctz(hit);
+    }
+    for (; i < n; i++)
+        if (x[i] == mx) return i;
+    return argmax_scalar(x, n);                   // NaNs: no lane ever equals the maximum
+}
+#pragma GCC pop_options
+
+int argmax(const float* x, int n) {
+    static const bool simd = path_supported(PATH_AVX2);
+    return simd ? argmax_avx2(x, n) : argmax_scalar(x, n);
 }
 
 // e^((l - mx) / T) for every logit, and their sum: the part of warping that touches all
@@ -78,19 +109,20 @@ static double softmax_numerators_avx2(const float* l, int n, float mx, float inv
 // Top-k keeps the k largest logits, ties broken toward the lower token id; top-p then keeps
 // the shortest prefix of those (most probable first) whose mass reaches top_p.
 void warp(const float* logits, int n, const SampleParams& sp, float* probs) {
-    std::fill(probs, probs + n, 0.f);
     const int top = argmax(logits, n);
-    if (sp.temperature <= 0.f) {
-        probs[top] = 1.f;
-        return;
-    }
-    if ((sp.top_k <= 0 || sp.top_k >= n) && sp.top_p >= 1.f) {     // temperature alone: no sorting
+    if (sp.temperature > 0.f && (sp.top_k <= 0 || sp.top_k >= n) && sp.top_p >= 1.f) {
+        // temperature alone: no sorting, and every entry is written
         static const bool simd = path_supported(PATH_AVX2);
         const float mx = logits[top], inv_t = 1.0f / sp.temperature;
         const double z = simd ? softmax_numerators_avx2(logits, n, mx, inv_t, probs)
                               : softmax_numerators_scalar(logits, n, mx, inv_t, probs);
         const float inv = (float)(1.0 / z);
         for (int i = 0; i < n; i++) probs[i] *= inv;
+        return;
+    }
+    std::fill(probs, probs + n, 0.f);
+    if (sp.temperature <= 0.f) {
+        probs[top] = 1.f;
         return;
     }
     std::vector<int> idx(n);

@@ -215,6 +215,20 @@ def test_acceptance_rule_chi_square(ns, warp):
     assert stat < chi2_critical(df), (stat, df)
 
 
+def test_argmax_is_the_first_maximum(ns):
+    rng = np.random.default_rng(4)
+    for n in (1, 7, 8, 9, 16, 31, 1000, 151936):
+        x = rng.standard_normal(n).astype(np.float32)
+        if n > 20:                                         # ties: the first one wins
+            x[[3, n - 2, n // 2]] = x.max() + 1
+        assert ns.argmax(x, n) == int(np.argmax(x)), n
+    z = np.zeros(40, np.float32)
+    z[5], z[9] = -0.0, 0.0
+    assert ns.argmax(z, 40) == 0
+    z[[0, 11]] = np.nan                                   # NaN never wins over a number after it
+    assert 0 <= ns.argmax(z, 40) < 40
+
+
 def test_speculative_samples_of_every_length2_continuation(files, pool):
     """End to end: the engine's speculative samples (temperature 1, draft model) of the next
     two tokens follow the target's distribution enumerated in PyTorch."""
