@@ -132,17 +132,11 @@ void attend_avx2(const float* q, const uint16_t* K, const uint16_t* V, int n, in
     }
     for (int g = 0; g < group; g++) {
         float* s = scores + (size_t)g * n;
-        __m256 vm = _mm256_set1_ps(s[0]);
-        int t = 0;
-        for (; t + 8 <= n; t += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(s + t));
-        alignas(32) float lanes[8];
-        _mm256_store_ps(lanes, vm);
-        float mx = lanes[0];
-        for (int i = 1; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
-        for (; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+        const float mx = max_avx2(s, n);
         const __m256 vmx = _mm256_set1_ps(mx);
         __m256 acc = _mm256_setzero_ps();
-        for (t = 0; t + 8 <= n; t += 8) {
+        int t = 0;
+        for (; t + 8 <= n; t += 8) {
             const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
             _mm256_storeu_ps(s + t, e);
             acc = _mm256_add_ps(acc, e);

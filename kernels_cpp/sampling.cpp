@@ -53,17 +53,10 @@ static int argmax_scalar(const float* x, int n) {
 // in two vector passes instead of one with a loop-carried index: the largest value, then
 // where it first is. (Logits are checked finite upstream; with NaNs it stays in range.)
 static int argmax_avx2(const float* x, int n) {
-    if (n < 16) return argmax_scalar(x, n);
-    __m256 m = _mm256_loadu_ps(x);
-    int i = 8;
-    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, m);
-    float mx = lanes[0];
-    for (int j = 1; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
-    for (; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    const float mx = max_avx2(x, n);
     const __m256 vmx = _mm256_set1_ps(mx);
-    for (i = 0; i + 8 <= n; i += 8) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
         const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + i), vmx, _CMP_EQ_OQ));
         if (hit) return i + __builtin_ctz(hit);
     }

@@ -23,6 +23,19 @@ inline __m256 exp_neg(__m256 x) {
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
+// The largest of x[0..n), n >= 1: eight lanes of maxima, then the lanes and the tail.
+inline float max_avx2(const float* x, int n) {
+    __m256 m = _mm256_set1_ps(x[0]);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    float mx = lanes[0];
+    for (int j = 1; j < 8; j++) mx = lanes[j] > mx ? lanes[j] : mx;
+    for (; i < n; i++) mx = x[i] > mx ? x[i] : mx;
+    return mx;
+}
+
 #pragma GCC pop_options
 
 }  // namespace lab
