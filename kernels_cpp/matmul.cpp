@@ -237,7 +237,7 @@ int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path, 
     if (!path_supported(path)) return MM_PATH_UNSUPPORTED;
     const TilesFn fn = tiles_for(path, W.fmt);
     if (chunk < 0) {    // guided: the pool's smallest share in tiles, from bytes
-        const int64_t tile_bytes = (int64_t)(W.cols / QK) * (TILE * 2 + (W.fmt == FMT_Q4 ? 256 : 512));
+        const int64_t tile_bytes = packed_scale_count(TILE, W.cols) * 2 + packed_byte_count(W.fmt, TILE, W.cols);
         chunk = -(int)((GUIDED_MIN_BYTES + tile_bytes - 1) / tile_bytes);
     }
     for_range(pool, W.tiles, chunk, [&](int b, int e, int) { fn(W, A, y, ldy, b, e); });

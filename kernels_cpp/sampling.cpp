@@ -102,17 +102,18 @@ static double softmax_numerators_avx2(const float* l, int n, float mx, float inv
 // Top-k keeps the k largest logits, ties broken toward the lower token id; top-p then keeps
 // the shortest prefix of those (most probable first) whose mass reaches top_p.
 void warp(const float* logits, int n, const SampleParams& sp, float* probs) {
-    const int top = argmax(logits, n);
+    static const bool simd = path_supported(PATH_AVX2);
     if (sp.temperature > 0.f && (sp.top_k <= 0 || sp.top_k >= n) && sp.top_p >= 1.f) {
-        // temperature alone: no sorting, and every entry is written
-        static const bool simd = path_supported(PATH_AVX2);
-        const float mx = logits[top], inv_t = 1.0f / sp.temperature;
+        // temperature alone: no sorting, every entry is written, only the maximum's value counts
+        const float mx = simd ? max_avx2(logits, n) : logits[argmax_scalar(logits, n)];
+        const float inv_t = 1.0f / sp.temperature;
         const double z = simd ? softmax_numerators_avx2(logits, n, mx, inv_t, probs)
                               : softmax_numerators_scalar(logits, n, mx, inv_t, probs);
         const float inv = (float)(1.0 / z);
         for (int i = 0; i < n; i++) probs[i] *= inv;
         return;
     }
+    const int top = argmax(logits, n);
     std::fill(probs, probs + n, 0.f);
     if (sp.temperature <= 0.f) {
         probs[top] = 1.f;

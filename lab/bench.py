@@ -176,7 +176,8 @@ def kernel_records(fmt: str, shape, ks, pool: kernels.Pool, working_set: str, pa
     W = kernels.pack(kernels.random_qtensor(fmt, rows, cols, seed=rows))
     rng = np.random.default_rng(0)
     acts = {k: kernels.Acts(rng.standard_normal((k, cols), dtype=np.float32), native.PATHS[path]) for k in ks}
-    cands = {k: (lambda a=acts[k]: [W.nbytes / s / 1e9 for s in _matmul_samples(W, a, pool, path, kernels.split_code(chunk), reps)])
+    code = kernels.split_code(chunk)
+    cands = {k: (lambda a=acts[k]: [W.nbytes / s / 1e9 for s in _matmul_samples(W, a, pool, path, code, reps)])
              for k in ks}
     if reader:
         cands["read"] = reader

@@ -225,7 +225,7 @@ def test_argmax_is_the_first_maximum(ns):
     z = np.zeros(40, np.float32)
     z[5], z[9] = -0.0, 0.0
     assert ns.argmax(z, 40) == 0
-    z[[0, 11]] = np.nan                                   # NaN never wins over a number after it
+    z[[0, 11]] = np.nan                                   # NaNs: no crash, an index in range
     assert 0 <= ns.argmax(z, 40) < 40
 
 

@@ -4,6 +4,7 @@ computed once by the engines and cached per sample."""
 from __future__ import annotations
 
 import hashlib
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,12 +45,12 @@ def items(samples: list[Sample], target, draft, k: int = 32, cache: Path | None 
     """Items for samples: the target engine's top-k at each answer position and the stock
     draft engine's greedy guess there, cached as one .npz per sample."""
     from tqdm.auto import tqdm
-    import sys
     cache = Path(cache or distill_dir() / "teacher")
     cache.mkdir(parents=True, exist_ok=True)
+    pair = (content_id(target.file), content_id(draft.file))
     out = []
     for s in tqdm(samples, desc="teacher distributions", unit="seq", disable=not progress, file=sys.stderr):
-        f = cache / f"{_key(content_id(target.file), content_id(draft.file), k, s.prompt, s.answer)}.npz"
+        f = cache / f"{_key(*pair, k, s.prompt, s.answer)}.npz"
         if not f.exists():
             tl = teacher_forced(target, s.prompt, s.answer)
             stock = teacher_forced(draft, s.prompt, s.answer).argmax(-1)
