@@ -4,18 +4,14 @@
 #include <immintrin.h>
 
 #include <atomic>
-#include <chrono>
 #include <cstring>
 
+#include "clock.h"
 #include "threadpool.h"
 
 namespace lab {
 
 namespace {
-
-double now() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 // Per-thread results each on their own cache line.
 struct alignas(64) Slot {

@@ -4,20 +4,16 @@
 // Invariant at the start of every round: the target's KV cache holds every token but the
 // last (`pending`); the draft's holds a prefix of them.
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <vector>
 
 #include "lab.h"
+#include "clock.h"
 #include "threadpool.h"
 
 namespace lab {
 
 namespace {
-
-double now() {
-    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 
 float top_probability(const float* logits, int n) {
     const float mx = logits[argmax(logits, n)];

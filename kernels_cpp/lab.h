@@ -253,6 +253,14 @@ enum EngineStatus : int {
 
 enum LogitsMode : int { LOGITS_NONE = 0, LOGITS_LAST = 1, LOGITS_ALL = 2 };
 
+// The parts of a forward pass, timed when profiling is on (`lab bench decode --stages`).
+// SERIAL: what one thread does between pool calls (embedding, norms, RoPE, the KV cache
+// write, residual adds); QUANTIZE: the activations' quantization before each matmul.
+enum Stage : int {
+    STAGE_SERIAL = 0, STAGE_QUANTIZE, STAGE_QKV, STAGE_ATTENTION, STAGE_O, STAGE_GATE_UP,
+    STAGE_SWIGLU, STAGE_DOWN, STAGE_OUTPUT, N_STAGES
+};
+
 class Model {
 public:
     Model();
@@ -273,6 +281,12 @@ public:
     // How matmuls split their tiles over the pool: 0 static halves, n > 0 chunks of n tiles,
     // SPLIT_GUIDED (the default). Results are identical either way; only the timing moves.
     void set_chunk(int tiles);
+    // Stage timing: profile(true) zeroes the sums and adds each stage's wall time from then
+    // on; stage_seconds copies the sums out, stage_bytes the weight bytes each stage reads
+    // in one pass (the output layer: its logits rows for one token). Both [N_STAGES].
+    void profile(bool on);
+    void stage_seconds(double* secs) const;
+    void stage_bytes(int64_t* bytes) const;
     struct Impl;
 private:
     Impl* impl_;

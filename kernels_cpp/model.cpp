@@ -7,12 +7,14 @@
 // and split over threads — so a k-token pass equals k single-token passes bit for bit.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "clock.h"
 #include "formats.h"
 #include "lab.h"
 #include "threadpool.h"
@@ -221,12 +223,22 @@ struct Model::Impl {
     QActs acts;
     bool loaded = false;
     int split_tiles = SPLIT_GUIDED;
+    bool profiling = false;
+    double stage_secs[N_STAGES] = {}, lap_start = 0;
+
+    // Closes the current stage: the time since the last lap goes to stage s.
+    void lap(int s) {
+        if (!profiling) return;
+        const double t = now();
+        stage_secs[s] += t - lap_start;
+        lap_start = t;
+    }
 
     bool fail(const std::string& m) { err = m; return false; }
     bool bind(const char* name, Mat& m, int rows, int cols);
     bool bind(const char* name, const float*& p, int n);
     void embed_row(int tok, float* out) const;
-    int mm(const Mat& W, const float* x, int k, float* y, int rows, ThreadPool* pool, int path);
+    int mm(const Mat& W, const float* x, int k, float* y, int rows, ThreadPool* pool, int path, int stage);
     void attention(int layer, int k, int pos, ThreadPool* pool, int path);
     int chunk(const int32_t* tok, int k, int pos, float* logits, int mode, float* hidden, int hidden_stride,
               ThreadPool* pool, int path);
@@ -260,17 +272,36 @@ int Model::max_context() const { return impl_->max_ctx; }
 void Model::set_chunk(int tiles) { impl_->split_tiles = tiles; }
 int Model::vocab() const { return impl_->vocab; }
 
-int64_t Model::weight_bytes() const {
+void Model::profile(bool on) {
+    impl_->profiling = on;
+    std::fill(impl_->stage_secs, impl_->stage_secs + N_STAGES, 0.0);
+}
+
+void Model::stage_seconds(double* secs) const { std::copy(impl_->stage_secs, impl_->stage_secs + N_STAGES, secs); }
+
+static int64_t mat_bytes(const Mat& w) {
+    return w.fmt == FMT_F32 ? (int64_t)w.rows * w.cols * 4
+                            : packed_scale_count(w.rows, w.cols) * 2 + packed_byte_count(w.fmt, w.rows, w.cols);
+}
+
+void Model::stage_bytes(int64_t* bytes) const {
     const Impl& m = *impl_;
-    int64_t total = 0;
-    auto add = [&](const Mat& w) {
-        total += w.fmt == FMT_F32 ? (int64_t)w.rows * w.cols * 4
-                                  : packed_scale_count(w.rows, w.cols) * 2 + packed_byte_count(w.fmt, w.rows, w.cols);
-    };
-    for (const Layer& l : m.layers) { add(l.qkv); add(l.o); add(l.gate_up); add(l.down); }
+    std::fill(bytes, bytes + N_STAGES, 0);
+    for (const Layer& l : m.layers) {
+        bytes[STAGE_QKV] += mat_bytes(l.qkv);
+        bytes[STAGE_O] += mat_bytes(l.o);
+        bytes[STAGE_GATE_UP] += mat_bytes(l.gate_up);
+        bytes[STAGE_DOWN] += mat_bytes(l.down);
+    }
     Mat out = m.output;                  // only the tokenizer's rows are ever read
     out.rows = m.vocab;
-    add(out);
+    bytes[STAGE_OUTPUT] = mat_bytes(out);
+}
+
+int64_t Model::weight_bytes() const {
+    int64_t b[N_STAGES], total = 0;
+    stage_bytes(b);
+    for (int s = 0; s < N_STAGES; s++) total += b[s];
     return total;
 }
 
@@ -359,8 +390,10 @@ void Model::Impl::embed_row(int tok, float* out) const {
 }
 
 // y[t * rows + r] for the first `rows` rows of W (the output layer stops at the tokenizer).
-int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, ThreadPool* pool, int path) {
+int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, ThreadPool* pool, int path,
+                    int stage) {
     const int chunk_tiles = split_tiles;
+    lap(STAGE_SERIAL);
     if (W.fmt == FMT_F32) {
         const int cols = W.cols;
         for_range(pool, rows, 0, [&](int b, int e, int) {
@@ -373,14 +406,18 @@ int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, T
                     y[(int64_t)t * rows + r] = s;
                 }
         });
+        lap(stage);
         return E_OK;
     }
     int64_t bad = 0;
     if (acts.quantize(xin, k, W.cols, path, &bad) != Q_OK) return E_NONFINITE;
+    lap(STAGE_QUANTIZE);
     PackedMat pm = W.pm;
     pm.rows = rows;
     pm.tiles = (rows + TILE - 1) / TILE;
-    return matmul(pm, acts, y, rows, path, pool, chunk_tiles) == MM_OK ? E_OK : E_PATH;
+    const int rc = matmul(pm, acts, y, rows, path, pool, chunk_tiles);
+    lap(stage);
+    return rc == MM_OK ? E_OK : E_PATH;
 }
 
 void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int path) {
@@ -406,11 +443,12 @@ int Model::Impl::chunk(const int32_t* tok, int k, int pos, float* logits, int mo
                        int hidden_stride, ThreadPool* pool, int path) {
     const int H = h.hidden_size, I = h.intermediate_size, D = h.head_dim, half = D / 2;
     const float eps = (float)h.rms_eps;
+    if (profiling) lap_start = now();
     for (int j = 0; j < k; j++) embed_row(tok[j], &x[(size_t)j * H]);
     for (uint32_t l = 0; l < h.num_layers; l++) {
         const Layer& L = layers[l];
         for (int j = 0; j < k; j++) rms_norm(&x[(size_t)j * H], L.attn_norm, H, eps, &xn[(size_t)j * H]);
-        int rc = mm(L.qkv, xn.data(), k, qkv.data(), qkv_rows, pool, path);
+        int rc = mm(L.qkv, xn.data(), k, qkv.data(), qkv_rows, pool, path, STAGE_QKV);
         if (rc) return rc;
         for (int j = 0; j < k; j++) {
             float* row = &qkv[(size_t)j * qkv_rows];
@@ -435,11 +473,13 @@ int Model::Impl::chunk(const int32_t* tok, int k, int pos, float* logits, int mo
                 }
             }
         }
+        lap(STAGE_SERIAL);
         attention(l, k, pos, pool, path);
-        if ((rc = mm(L.o, att.data(), k, tmp.data(), H, pool, path))) return rc;
+        lap(STAGE_ATTENTION);
+        if ((rc = mm(L.o, att.data(), k, tmp.data(), H, pool, path, STAGE_O))) return rc;
         for (size_t i = 0; i < (size_t)k * H; i++) x[i] += tmp[i];
         for (int j = 0; j < k; j++) rms_norm(&x[(size_t)j * H], L.ffn_norm, H, eps, &xn[(size_t)j * H]);
-        if ((rc = mm(L.gate_up, xn.data(), k, gu.data(), 2 * I, pool, path))) return rc;
+        if ((rc = mm(L.gate_up, xn.data(), k, gu.data(), 2 * I, pool, path, STAGE_GATE_UP))) return rc;
         const auto swiglu = path == PATH_SCALAR ? swiglu_scalar : swiglu_avx2;
         for_range(pool, k * 8, 1, [&](int b, int e, int) {       // eighths of each token's row
             for (int c = b; c < e; c++) {
@@ -447,16 +487,17 @@ int Model::Impl::chunk(const int32_t* tok, int k, int pos, float* logits, int mo
                 swiglu(&gu[(size_t)j * 2 * I + lo], &gu[(size_t)j * 2 * I + I + lo], &hb[(size_t)j * I + lo], hi - lo);
             }
         });
-        if ((rc = mm(L.down, hb.data(), k, tmp.data(), H, pool, path))) return rc;
+        lap(STAGE_SWIGLU);
+        if ((rc = mm(L.down, hb.data(), k, tmp.data(), H, pool, path, STAGE_DOWN))) return rc;
         for (size_t i = 0; i < (size_t)k * H; i++) x[i] += tmp[i];
         if (hidden)
             for (int j = 0; j < k; j++)
                 std::memcpy(hidden + (size_t)l * hidden_stride * H + (size_t)j * H, &x[(size_t)j * H], H * sizeof(float));
     }
-    if (mode == LOGITS_NONE) return E_OK;
+    if (mode == LOGITS_NONE) { lap(STAGE_SERIAL); return E_OK; }
     const int first = mode == LOGITS_LAST ? k - 1 : 0, n = k - first;
     for (int j = 0; j < n; j++) rms_norm(&x[(size_t)(first + j) * H], norm, H, eps, &xn[(size_t)j * H]);
-    return mm(output, xn.data(), n, logits, vocab, pool, path);
+    return mm(output, xn.data(), n, logits, vocab, pool, path, STAGE_OUTPUT);
 }
 
 int Model::forward(const int32_t* tokens, int k, int pos, float* logits, int mode, float* hidden,

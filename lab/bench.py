@@ -251,9 +251,10 @@ def _fill(engine, context: int, seed: int = 0) -> np.ndarray:
 
 
 def decode_bench(model: str, scheme: str = "q4-q8out", threads: int | None = None, context: int = 256,
-                 rounds: int = 7, reps: int = 5) -> dict:
+                 rounds: int = 7, reps: int = 5, stages: bool = False) -> dict:
     """One-token decode steps at a fixed context (the output layer included), paired round by
-    round with read passes: tokens/s, bytes read per token, share of the read ceiling."""
+    round with read passes: tokens/s, bytes read per token, share of the read ceiling.
+    stages=True also times each stage of the pass (`stage_records`)."""
     from .engine import Engine
     from .models.export import engine_file
     path = engine_file(model, scheme)
@@ -263,16 +264,43 @@ def decode_bench(model: str, scheme: str = "q4-q8out", threads: int | None = Non
     buf, _owner = read_buffer(512 << 20)
     reader = read_sampler(buf, e.pool)
     reader()
-    step = lambda: [e.weight_bytes / s / 1e9 for s in _forward_samples(e, tok, context, 1, reps)]
+    per_round = []                          # stage seconds per pass, one dict a round
+
+    def step():
+        e.profile(stages)
+        secs = _forward_samples(e, tok, context, 1, reps)
+        if stages:
+            per_round.append({k: v / (reps + 1) for k, v in e.stage_seconds().items()})   # + the warm-up pass
+            e.profile(False)
+        return [e.weight_bytes / s / 1e9 for s in secs]
     samples = interleave({"step": step, "read": reader}, rounds)
     share = paired_ratio(samples["step"], samples["read"])
     gbps = summary(flat(samples["step"]))
     tps = gbps["median"] * 1e9 / e.weight_bytes
-    return {"machine": machine(), "model": model, "format": scheme, "file": str(path),
-            "threads": e.pool.threads, "context": context, "tokens_per_s": tps,
-            "ms_per_token": 1e3 / tps, "bytes_per_token": e.weight_bytes,
-            "read_gbps": float(np.median(flat(samples["read"]))), "gbps": gbps["median"],
-            "share_of_ceiling": share["median"], "share_of_ceiling_iqr": share["iqr"]}
+    out = {"machine": machine(), "model": model, "format": scheme, "file": str(path),
+           "threads": e.pool.threads, "context": context, "tokens_per_s": tps,
+           "ms_per_token": 1e3 / tps, "bytes_per_token": e.weight_bytes,
+           "read_gbps": float(np.median(flat(samples["read"]))), "gbps": gbps["median"],
+           "share_of_ceiling": share["median"], "share_of_ceiling_iqr": share["iqr"]}
+    if stages:
+        out["stages"] = stage_records(per_round, e.stage_bytes(), [np.median(r) for r in samples["read"]])
+    return out
+
+
+def stage_records(per_round: list[dict], nbytes: dict, read_gbps: list[float]) -> list[dict]:
+    """Per stage: median ms per pass, its part of the pass, and for the stages that stream
+    weights their GB/s and share of the read ceiling, each paired with its round's read passes."""
+    out = []
+    for name in per_round[0]:
+        secs = [r[name] for r in per_round]
+        parts = [r[name] / sum(r.values()) for r in per_round]
+        rec = {"stage": name, "ms": float(np.median(secs)) * 1e3, "part": float(np.median(parts)),
+               "bytes": nbytes[name]}
+        if nbytes[name]:
+            rec["gbps"] = float(np.median([nbytes[name] / s / 1e9 for s in secs]))
+            rec["share_of_ceiling"] = float(np.median([nbytes[name] / s / 1e9 / g for s, g in zip(secs, read_gbps)]))
+        out.append(rec)
+    return out
 
 
 def vk_bench(target: str, draft: str | None = None, scheme: str = "q4-q8out", threads: int | None = None,

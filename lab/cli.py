@@ -67,6 +67,12 @@ def _print_decode(r: dict) -> None:
           f"{r['tokens_per_s']:.1f} tokens/s ({r['ms_per_token']:.1f} ms/token)")
     print(f"{r['bytes_per_token'] / 1e6:.0f} MB read per token = {r['gbps']:.1f} GB/s; read ceiling "
           f"{r['read_gbps']:.1f} GB/s; share {100 * r['share_of_ceiling']:.0f}% (IQR {100 * r['share_of_ceiling_iqr']:.0f})")
+    if "stages" in r:
+        print(f"{'stage':10s} {'ms':>7s} {'part':>5s} {'MB':>6s} {'GB/s':>6s} {'%ceil':>6s}")
+        for x in r["stages"]:
+            mb = f"{x['bytes'] / 1e6:6.0f}" if x["bytes"] else f"{'':6s}"
+            rate = f"{x['gbps']:6.1f} {100 * x['share_of_ceiling']:6.0f}" if x["bytes"] else ""
+            print(f"{x['stage']:10s} {x['ms']:7.3f} {100 * x['part']:4.0f}% {mb} {rate}")
 
 
 def _print_vk(r: dict) -> None:
@@ -87,7 +93,7 @@ def cmd_bench(args) -> int:
         show = _print_bandwidth
     elif args.what == "decode":
         r = bench.decode_bench(args.model, args.scheme, args.threads[0] if args.threads else None,
-                               (args.context or [256])[0], rounds=args.rounds)
+                               (args.context or [256])[0], rounds=args.rounds, stages=args.stages)
         show = _print_decode
     elif args.what == "vk":
         ks = tuple(args.k) if args.k != [1, 2, 4, 8, 16] else tuple(range(1, 17))
@@ -272,6 +278,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--kernel", type=lambda s: s.split(","), default=["q4", "q8"], help="q4,q8")
     b.add_argument("--path", help="force a kernel path: scalar, avx2, avxvnni, avx512vnni")
     b.add_argument("--quick", action="store_true", help="smaller matrices and fewer repeats")
+    b.add_argument("--stages", action="store_true", help="decode: time each stage of the pass too")
     b.set_defaults(fn=cmd_bench)
     return p
 

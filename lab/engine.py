@@ -20,6 +20,10 @@ _STATUS = {1: "the context is longer than the cache", 2: "a token id is outside 
            9: "a NaN or inf appeared in the activations"}
 
 
+# The C++ Stage enum, in order: where a forward pass spends its time.
+STAGES = ("serial", "quantize", "qkv", "attention", "o", "gate_up", "swiglu", "down", "output")
+
+
 class EngineError(LabError):
     """The engine refused a request; the message says why."""
 
@@ -113,6 +117,22 @@ class Engine:
     @property
     def weight_bytes(self) -> int:
         return int(self._m.weight_bytes())
+
+    def profile(self, on: bool = True) -> None:
+        """Start (clearing the sums) or stop timing the stages of every forward pass."""
+        self._m.profile(bool(on))
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Seconds spent in each stage since profile(True)."""
+        secs = np.zeros(len(STAGES))
+        self._m.stage_seconds(secs)
+        return dict(zip(STAGES, secs.tolist()))
+
+    def stage_bytes(self) -> dict[str, int]:
+        """Weight bytes each stage reads in one pass (the output layer: one token's logits)."""
+        b = np.zeros(len(STAGES), np.int64)
+        self._m.stage_bytes(b)
+        return dict(zip(STAGES, b.tolist()))
 
     def _ids(self, tokens, name="tokens") -> np.ndarray:
         ids = np.ascontiguousarray(np.asarray(tokens, dtype=np.int64).reshape(-1))

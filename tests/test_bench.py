@@ -8,9 +8,9 @@ from lab import bench, native
 ROOT = native.SOURCE_DIR.parent
 
 
-def run_lab(*args):
+def run_lab(*args, env=None):
     r = subprocess.run([sys.executable, "-m", "lab.cli", *args], cwd=ROOT, capture_output=True,
-                       text=True, timeout=300)
+                       text=True, timeout=300, env=env)
     assert r.returncode == 0, r.stderr
     return r.stdout
 
@@ -42,3 +42,21 @@ def test_kernels_json():
         for key in ("gmacs", "gbps", "share_of_bandwidth", "share_of_peak"):
             assert x[key] > 0, key
     assert r["dot_peak_gmacs"] > 0 and r["read_gbps"] > 0
+
+
+def test_decode_stages_json(tmp_path):
+    """decode --stages: every stage timed, the streaming ones with a rate against the ceiling."""
+    import os
+    env = dict(os.environ, LAB_MODELS=str(tmp_path))
+    r = json.loads(run_lab("bench", "decode", "--json", "--model", "tiny-qwen3", "--context", "32",
+                           "--rounds", "2", "--stages", env=env))
+    for key in ("tokens_per_s", "bytes_per_token", "read_gbps", "share_of_ceiling"):
+        assert r[key] > 0, key
+    st = {x["stage"]: x for x in r["stages"]}
+    assert set(st) == {"serial", "quantize", "qkv", "attention", "o", "gate_up", "swiglu", "down", "output"}
+    assert all(0 < x["part"] < 1 for x in st.values())
+    assert 0.9 < sum(x["part"] for x in st.values()) < 1.1          # medians of each round's parts
+    assert sum(x["bytes"] for x in st.values()) == r["bytes_per_token"]
+    for name in ("qkv", "o", "gate_up", "down", "output"):
+        assert st[name]["ms"] > 0 and st[name]["gbps"] > 0 and st[name]["share_of_ceiling"] > 0, name
+    assert "gbps" not in st["attention"]

@@ -110,6 +110,35 @@ def test_every_split_gives_the_same_logits(files, pool):
             e.set_chunk(bad)
 
 
+def test_stage_profile_accounts_for_the_pass(files, pool):
+    """Profiling times every stage of a pass without changing its logits; the stages cover
+    the pass's time; their bytes add up to the bytes a pass reads."""
+    import time
+    from lab.bench import _forward_samples
+    from lab.engine import STAGES
+    e = Engine(files["tiny-qwen3"]["q4-q8out"], pool=pool, max_context=128)
+    toks = np.arange(1, 17, dtype=np.int32)
+    want = e.forward(toks, 0)
+    e.profile(True)
+    assert e.forward(toks, 0).tobytes() == want.tobytes()
+    e.profile(True)                                        # cleared
+    t0 = time.perf_counter()
+    passes = _forward_samples(e, toks, 0, 2, reps=5)       # a warm-up pass, then 5 timed in C++
+    wall = time.perf_counter() - t0
+    secs = e.stage_seconds()
+    assert list(secs) == list(STAGES)
+    assert all(secs[s] > 0 for s in ("qkv", "attention", "o", "gate_up", "down", "output", "quantize")), secs
+    assert 0.8 * sum(passes) < sum(secs.values()) < wall, (secs, passes, wall)
+    e.profile(False)
+    assert sum(e.stage_seconds().values()) == 0            # cleared, and no longer adding
+    e.forward(toks, 0)
+    assert sum(e.stage_seconds().values()) == 0
+    nbytes = e.stage_bytes()
+    assert sum(nbytes.values()) == e.weight_bytes
+    assert all(nbytes[s] > 0 for s in ("qkv", "o", "gate_up", "down", "output"))
+    assert all(nbytes[s] == 0 for s in ("serial", "quantize", "attention", "swiglu"))
+
+
 def _eos_engine(path, pool, eos):
     e = Engine(path, pool=pool, max_context=512)
     e.eos_ids = eos
