@@ -311,6 +311,8 @@ struct Rng {                         // xoshiro256**, seeded through splitmix64
     uint64_t next();
     double uniform();                // [0, 1)
 };
+// Draws an index with probability probs[i] / (their sum): the weights need not add up to 1,
+// entries <= 0 are never drawn (all of them <= 0: the argmax).
 int sample(const float* probs, int n, Rng& rng);
 
 // SCIENCE.md §3: accept draft token x with probability min(1, p(x)/q(x)); on rejection

@@ -144,17 +144,96 @@ void warp(const float* logits, int n, const SampleParams& sp, float* probs) {
     for (int i = 0; i < keep; i++) probs[idx[i]] = (float)(e[i] / z);
 }
 
-int sample(const float* probs, int n, Rng& rng) {
-    const double u = rng.uniform();
+// ----------------------------------------------------------------------------
+// Drawing from weights
+// ----------------------------------------------------------------------------
+
+// A draw from weights w(0..n) (any total; entries <= 0 never drawn) locates u * total in
+// their running sum. One running sum over ~152k entries is a chain of dependent additions
+// and the sampler's whole cost, so the sum runs in blocks: each block in four fixed lanes,
+// the blocks in order, then u is found among the blocks and last inside its block. The
+// order of additions is fixed by the code alone, so a seed gives one sample on every CPU.
+constexpr int DRAW_BLOCK = 256;
+
+struct Probs {                                   // sample(): probs, negatives as 0
+    const float* p;
+    double operator()(int j) const { return p[j] > 0.f ? (double)p[j] : 0.0; }
+};
+
+struct Residual {                                // the acceptance rule's max(0, p - q)
+    const float *p, *q;
+    double operator()(int j) const { return (double)std::max(0.f, p[j] - q[j]); }
+};
+
+template <class W>
+static double block_sum_scalar(const W& w, int b, int e) {
+    double l0 = 0, l1 = 0, l2 = 0, l3 = 0;
+    int i = b;
+    for (; i + 4 <= e; i += 4) { l0 += w(i); l1 += w(i + 1); l2 += w(i + 2); l3 += w(i + 3); }
+    for (; i < e; i++) l0 += w(i);
+    return (l0 + l1) + (l2 + l3);
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+// The same four lanes, one register: the same additions in the same order.
+static inline __m256d four(const Probs& w, int i) {
+    const __m128 x = _mm_loadu_ps(w.p + i);
+    return _mm256_cvtps_pd(_mm_and_ps(x, _mm_cmpgt_ps(x, _mm_setzero_ps())));
+}
+
+static inline __m256d four(const Residual& w, int i) {
+    const __m128 x = _mm_sub_ps(_mm_loadu_ps(w.p + i), _mm_loadu_ps(w.q + i));
+    return _mm256_cvtps_pd(_mm_and_ps(x, _mm_cmpgt_ps(x, _mm_setzero_ps())));
+}
+
+template <class W>
+static double block_sum_avx2(const W& w, int b, int e) {
+    __m256d l = _mm256_setzero_pd();
+    int i = b;
+    for (; i + 4 <= e; i += 4) l = _mm256_add_pd(l, four(w, i));
+    alignas(32) double v[4];
+    _mm256_store_pd(v, l);
+    for (; i < e; i++) v[0] += w(i);
+    return (v[0] + v[1]) + (v[2] + v[3]);
+}
+#pragma GCC pop_options
+
+template <class W>
+static double block_sum(const W& w, int b, int e) {
+    static const bool simd = path_supported(PATH_AVX2);
+    return simd ? block_sum_avx2(w, b, e) : block_sum_scalar(w, b, e);
+}
+
+// -> the index drawn, or -1 when no weight is positive.
+template <class W>
+static int draw(const W& w, int n, Rng& rng) {
+    const int nb = (n + DRAW_BLOCK - 1) / DRAW_BLOCK;
+    std::vector<double> sums(nb);
+    double total = 0;
+    for (int b = 0; b < nb; b++) total += sums[b] = block_sum(w, b * DRAW_BLOCK, std::min(n, (b + 1) * DRAW_BLOCK));
+    if (!(total > 0)) return -1;
+    const double u = rng.uniform() * total;
     double cum = 0;
-    int last = 0;
-    for (int i = 0; i < n; i++) {
-        if (probs[i] <= 0.f) continue;
-        cum += probs[i];
+    int b = 0;
+    for (; b < nb && !(u < cum + sums[b]); b++) cum += sums[b];
+    if (b == nb)                                  // rounding put u at the very total
+        for (int i = n - 1;; i--)
+            if (w(i) > 0) return i;
+    int last = -1;
+    for (int i = b * DRAW_BLOCK, e = std::min(n, i + DRAW_BLOCK); i < e; i++) {
+        const double x = w(i);
+        if (!(x > 0)) continue;
+        cum += x;
         last = i;
         if (u < cum) return i;
     }
-    return last;                                 // rounding left u past the total
+    return last;                                  // the block's own rounding left u past it
+}
+
+int sample(const float* probs, int n, Rng& rng) {
+    const int i = draw(Probs{probs}, n, rng);
+    return i < 0 ? argmax(probs, n) : i;
 }
 
 int accept_or_resample(const float* p, const float* q, int n, int x, Rng& rng, bool* accepted) {
@@ -163,20 +242,9 @@ int accept_or_resample(const float* p, const float* q, int n, int x, Rng& rng, b
         return x;
     }
     *accepted = false;
-    double z = 0;
-    for (int i = 0; i < n; i++) z += std::max(0.f, p[i] - q[i]);
-    if (z <= 0) return sample(p, n, rng);
-    const double u = rng.uniform() * z;
-    double cum = 0;
-    int last = 0;
-    for (int i = 0; i < n; i++) {
-        const float r = std::max(0.f, p[i] - q[i]);
-        if (r <= 0.f) continue;
-        cum += r;
-        last = i;
-        if (u < cum) return i;
-    }
-    return last;
+    // the residual max(0, p - q), normalised; p itself when p <= q everywhere
+    const int i = draw(Residual{p, q}, n, rng);
+    return i < 0 ? sample(p, n, rng) : i;
 }
 
 void accept_trials(const float* p, const float* q, int n, int draws, uint64_t seed, int32_t* out) {

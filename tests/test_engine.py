@@ -244,6 +244,60 @@ def test_acceptance_rule_chi_square(ns, warp):
     assert stat < chi2_critical(df), (stat, df)
 
 
+def test_sample_draws_from_unnormalised_weights(ns):
+    """sample() across many blocks of its running sum: weights of any total, zeros never drawn."""
+    n, draws = 3000, 60_000
+    rng = np.random.default_rng(5)
+    w = np.zeros(n, np.float32)
+    hot = rng.choice(n, 40, replace=False)                 # spread over the blocks, last entry too
+    hot[0] = n - 1
+    w[hot] = rng.random(40).astype(np.float32) * 7
+    r = ns.Rng(11)
+    counts = np.bincount([ns.sample(w, n, r) for _ in range(draws)], minlength=n)
+    stat, df = chi2(counts, w.astype(np.float64) / w.sum())
+    assert stat < chi2_critical(df), (stat, df)
+    assert ns.sample(np.zeros(5, np.float32), 5, r) == 0   # nothing positive: the argmax
+    assert ns.sample(np.array([-1, 0, -3], np.float32), 3, r) == 1
+
+
+def _draw_spec(w: np.ndarray, u: float, block: int = 256) -> int:
+    """sample()'s order of additions, written out: blocks of 256 summed in four lanes
+    (the tail into lane 0), blocks in order, then the running sum inside the block found."""
+    w = np.where(w > 0, w, 0).astype(np.float64)
+    sums = []
+    for b in range(0, w.size, block):
+        x = w[b:b + block]
+        m = x.size // 4 * 4
+        lanes = [float(np.cumsum(np.r_[0.0, x[j:m:4]])[-1]) for j in range(4)]
+        for t in x[m:]:
+            lanes[0] += t
+        sums.append((lanes[0] + lanes[1]) + (lanes[2] + lanes[3]))
+    total = float(np.cumsum(np.r_[0.0, sums])[-1])
+    u, cum = u * total, 0.0
+    for b, s in enumerate(sums):
+        if u < cum + s:
+            break
+        cum += s
+    for i in range(b * block, min(w.size, (b + 1) * block)):
+        if w[i] > 0:
+            cum += w[i]
+            if u < cum:
+                return i
+    raise AssertionError("not reached for these weights")
+
+
+def test_sample_follows_its_order_of_additions(ns):
+    """A seed gives one sample on every CPU: the draw is the one the written-out order gives."""
+    rng = np.random.default_rng(8)
+    for n in (5, 257, 1027, 151665):
+        w = (rng.random(n) ** 8).astype(np.float32)
+        w[rng.random(n) < 0.3] = 0
+        w[rng.integers(0, n)] = -0.5
+        for seed in range(20):
+            u = ns.Rng(seed).uniform()
+            assert ns.sample(w, n, ns.Rng(seed)) == _draw_spec(w, u), (n, seed)
+
+
 def test_argmax_is_the_first_maximum(ns):
     rng = np.random.default_rng(4)
     for n in (1, 7, 8, 9, 16, 31, 1000, 151936):
@@ -258,20 +312,27 @@ def test_argmax_is_the_first_maximum(ns):
     assert 0 <= ns.argmax(z, 40) < 40
 
 
-def test_speculative_samples_of_every_length2_continuation(files, pool):
-    """End to end: the engine's speculative samples (temperature 1, draft model) of the next
-    two tokens follow the target's distribution enumerated in PyTorch."""
-    c = TINY["tiny-v16"]
+def _joint2(c, prompt, T):
+    """The target's distribution over the next two tokens, enumerated in PyTorch."""
     ref = Twin(c, tiny_weights(c, seed=1), "f32", max_context=64)
-    prompt = [3, 9, 1]
-    T = 1.5
     p1 = torch_warp(ref.forward(prompt, 0)[-1].numpy(), T)
     joint = np.zeros((16, 16))
     for a in range(16):
         ref.reset(len(prompt))
         joint[a] = p1[a] * torch_warp(ref.forward([a], len(prompt))[-1].numpy(), T)
+    return joint
+
+
+@pytest.mark.parametrize("drafter", ["draft", "lookup"])
+def test_speculative_samples_of_every_length2_continuation(files, pool, drafter):
+    """End to end: the engine's speculative samples (temperature 1.5, a draft model or prompt
+    lookup) of the next two tokens follow the target's distribution enumerated in PyTorch."""
+    # lookup guesses 5 (the target gives it 0.58), then 3, 9
+    prompt = [3, 9, 5, 3, 9] if drafter == "lookup" else [3, 9, 1]
+    T = 1.5
+    joint = _joint2(TINY["tiny-v16"], prompt, T)
     target = Engine(files["tiny-v16"]["f32"], pool=pool, max_context=64)
-    draft = Engine(files["tiny-v16-draft"]["f32"], pool=pool, max_context=64)
+    draft = Engine(files["tiny-v16-draft"]["f32"], pool=pool, max_context=64) if drafter == "draft" else "lookup"
     counts = np.zeros((16, 16))
     runs = 12_000
     for seed in range(runs):
