@@ -154,6 +154,11 @@ public:
     QActs& operator=(const QActs&) = delete;
     // Returns Q_OK, or Q_NONFINITE with *bad the flat index of the first NaN/inf.
     int quantize(const float* x, int k, int cols, int path, int64_t* bad);
+    // The same in parts, for threads that each quantize what they computed: shape() sets
+    // the shape (Q_OK or Q_BAD_SHAPE), then blocks [b0, b1) of the flat k x nb blocks come
+    // from x (the whole k x cols input), in any order; each block's bytes are quantize()'s.
+    int shape(int k, int cols);
+    int quantize_blocks(const float* x, int64_t b0, int64_t b1, int path, int64_t* bad);
     void export_blocks(int8_t* q, float* d, int32_t* s) const;  // [k][nb]
     int k() const { return k_; }
     int cols() const { return cols_; }
@@ -255,7 +260,8 @@ enum LogitsMode : int { LOGITS_NONE = 0, LOGITS_LAST = 1, LOGITS_ALL = 2 };
 
 // The parts of a forward pass, timed when profiling is on (`lab bench decode --stages`).
 // SERIAL: what one thread does between pool calls (embedding, norms, RoPE, the KV cache
-// write, residual adds); QUANTIZE: the activations' quantization before each matmul.
+// write, residual adds); QUANTIZE: the activations' quantization before a matmul (SWIGLU
+// includes the down projection's, done by the threads that compute it).
 enum Stage : int {
     STAGE_SERIAL = 0, STAGE_QUANTIZE, STAGE_QKV, STAGE_ATTENTION, STAGE_O, STAGE_GATE_UP,
     STAGE_SWIGLU, STAGE_DOWN, STAGE_OUTPUT, N_STAGES

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -238,7 +239,9 @@ struct Model::Impl {
     bool bind(const char* name, Mat& m, int rows, int cols);
     bool bind(const char* name, const float*& p, int n);
     void embed_row(int tok, float* out) const;
-    int mm(const Mat& W, const float* x, int k, float* y, int rows, ThreadPool* pool, int path, int stage);
+    int mm(const Mat& W, const float* x, int k, float* y, int rows, ThreadPool* pool, int path, int stage,
+           bool quantized = false);
+    int ffn_hidden(int k, bool quantize, ThreadPool* pool, int path);
     void attention(int layer, int k, int pos, ThreadPool* pool, int path);
     int chunk(const int32_t* tok, int k, int pos, float* logits, int mode, float* hidden, int hidden_stride,
               ThreadPool* pool, int path);
@@ -390,8 +393,9 @@ void Model::Impl::embed_row(int tok, float* out) const {
 }
 
 // y[t * rows + r] for the first `rows` rows of W (the output layer stops at the tokenizer).
+// `quantized`: acts already hold xin's blocks.
 int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, ThreadPool* pool, int path,
-                    int stage) {
+                    int stage, bool quantized) {
     const int chunk_tiles = split_tiles;
     lap(STAGE_SERIAL);
     if (W.fmt == FMT_F32) {
@@ -410,7 +414,7 @@ int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, T
         return E_OK;
     }
     int64_t bad = 0;
-    if (acts.quantize(xin, k, W.cols, path, &bad) != Q_OK) return E_NONFINITE;
+    if (!quantized && acts.quantize(xin, k, W.cols, path, &bad) != Q_OK) return E_NONFINITE;
     lap(STAGE_QUANTIZE);
     PackedMat pm = W.pm;
     pm.rows = rows;
@@ -437,6 +441,29 @@ void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int pat
                    att.data() + (size_t)j * q_dim + (size_t)kvh * group * D);
         }
     });
+}
+
+// SiLU(gate) * up into hb and, with `quantize`, on into acts' 8-bit blocks for the down
+// projection: each thread quantizes what it just computed, so the down matrix's input is
+// never read across cores as floats. Pieces of 512 values (16 blocks) of one token's row;
+// the results do not depend on the split, which is static: the work is even, and a shared
+// counter costs a cross-core transfer per piece.
+int Model::Impl::ffn_hidden(int k, bool quantize, ThreadPool* pool, int path) {
+    const int I = h.intermediate_size, PIECE = 16 * QK, per_row = (I + PIECE - 1) / PIECE;
+    if (quantize && acts.shape(k, I) != Q_OK) return E_NONFINITE;
+    const auto swiglu = path == PATH_SCALAR ? swiglu_scalar : swiglu_avx2;
+    std::atomic<bool> bad{false};
+    for_range(pool, k * per_row, 0, [&](int b, int e, int) {
+        for (int c = b; c < e; c++) {
+            const int j = c / per_row, lo = (c % per_row) * PIECE, hi = std::min(I, lo + PIECE);
+            float* out = &hb[(size_t)j * I];
+            swiglu(&gu[(size_t)j * 2 * I + lo], &gu[(size_t)j * 2 * I + I + lo], out + lo, hi - lo);
+            int64_t at = 0;
+            const int64_t b0 = ((int64_t)j * I + lo) / QK, b1 = ((int64_t)j * I + hi) / QK;
+            if (quantize && acts.quantize_blocks(hb.data(), b0, b1, path, &at) != Q_OK) bad = true;
+        }
+    });
+    return bad ? E_NONFINITE : E_OK;
 }
 
 int Model::Impl::chunk(const int32_t* tok, int k, int pos, float* logits, int mode, float* hidden,
@@ -480,15 +507,10 @@ int Model::Impl::chunk(const int32_t* tok, int k, int pos, float* logits, int mo
         for (size_t i = 0; i < (size_t)k * H; i++) x[i] += tmp[i];
         for (int j = 0; j < k; j++) rms_norm(&x[(size_t)j * H], L.ffn_norm, H, eps, &xn[(size_t)j * H]);
         if ((rc = mm(L.gate_up, xn.data(), k, gu.data(), 2 * I, pool, path, STAGE_GATE_UP))) return rc;
-        const auto swiglu = path == PATH_SCALAR ? swiglu_scalar : swiglu_avx2;
-        for_range(pool, k * 8, 1, [&](int b, int e, int) {       // eighths of each token's row
-            for (int c = b; c < e; c++) {
-                const int j = c / 8, lo = I * (c % 8) / 8 / 8 * 8, hi = (c % 8 == 7) ? I : I * (c % 8 + 1) / 8 / 8 * 8;
-                swiglu(&gu[(size_t)j * 2 * I + lo], &gu[(size_t)j * 2 * I + I + lo], &hb[(size_t)j * I + lo], hi - lo);
-            }
-        });
+        const bool quantized = L.down.fmt != FMT_F32;
+        if ((rc = ffn_hidden(k, quantized, pool, path))) return rc;
         lap(STAGE_SWIGLU);
-        if ((rc = mm(L.down, hb.data(), k, tmp.data(), H, pool, path, STAGE_DOWN))) return rc;
+        if ((rc = mm(L.down, hb.data(), k, tmp.data(), H, pool, path, STAGE_DOWN, quantized))) return rc;
         for (size_t i = 0; i < (size_t)k * H; i++) x[i] += tmp[i];
         if (hidden)
             for (int j = 0; j < k; j++)

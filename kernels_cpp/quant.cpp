@@ -222,7 +222,7 @@ static char* carve(char*& p, size_t bytes) {
     return out;
 }
 
-int QActs::quantize(const float* x, int k, int cols, int path, int64_t* bad) {
+int QActs::shape(int k, int cols) {
     if (k < 1 || cols < QK || cols % QK != 0) return Q_BAD_SHAPE;
     k_ = k; cols_ = cols; nb_ = cols / QK;
     const int64_t n = (int64_t)k * nb_;
@@ -233,17 +233,26 @@ int QActs::quantize(const float* x, int k, int cols, int path, int64_t* bad) {
     s_ = (int32_t*)carve(p, n * 4);
     c4_ = (int32_t*)carve(p, n * 4);
     c8_ = (int32_t*)carve(p, n * 4);
+    return Q_OK;
+}
+
+int QActs::quantize_blocks(const float* x, int64_t b0, int64_t b1, int path, int64_t* bad) {
     auto block = path == PATH_AVX512VNNI || path == PATH_VNNI256_EVEX ? quantize_act_avx512
                : path == PATH_SCALAR                                 ? quantize_act_scalar
                                                                      : quantize_act_avx2;
     if (!path_supported(path)) block = quantize_act_scalar;
-    for (int64_t b = 0; b < n; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         const int nf = block(x + b * QK, q_ + b * QK, d_ + b, s_ + b);
         if (nf >= 0) { *bad = b * QK + nf; return Q_NONFINITE; }
         c4_[b] = -8 * s_[b];
         c8_[b] = -128 * s_[b];
     }
     return Q_OK;
+}
+
+int QActs::quantize(const float* x, int k, int cols, int path, int64_t* bad) {
+    const int rc = shape(k, cols);
+    return rc != Q_OK ? rc : quantize_blocks(x, 0, (int64_t)k * nb_, path, bad);
 }
 
 void QActs::export_blocks(int8_t* q, float* d, int32_t* s) const {

@@ -373,6 +373,19 @@ def test_bad_requests_are_exceptions(files, pool, tmp_path):
         Engine(tmp_path / "missing.lab", pool=pool)
 
 
+@pytest.mark.parametrize("where", ["model.layers.0.input_layernorm.weight",
+                                   "model.layers.0.post_attention_layernorm.weight"])
+def test_overflowing_activations_are_an_error(pool, tmp_path, where):
+    """Activations that overflow (before the attention, or in the feed-forward block) stop the
+    pass with a clear error rather than wrong logits."""
+    c = TINY["tiny-qwen3"]
+    w = tiny_weights(c, seed=1)
+    w[where] = w[where] * 3e38                             # overflows to inf in the next product
+    e = Engine(ex.export(c, w, tmp_path / "hot.lab", "q8"), pool=pool, max_context=64)
+    with pytest.raises(EngineError, match="NaN or inf"):
+        e.forward([1, 2, 3], 0)
+
+
 def test_lab_generate_streams_and_reports(tmp_path):
     import os
     import subprocess
