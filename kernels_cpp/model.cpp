@@ -29,34 +29,56 @@ namespace lab {
 
 namespace {
 
-// One (kv head, query token) of attention: the `group` query heads that share the KV head
-// score every cached position, softmax, and sum the values. scores: [group][n].
-using AttendFn = void (*)(const float* q, const uint16_t* K, const uint16_t* V, int n, int D, int group,
-                          float scale, float* scores, float* row, float* out);
+// Query rows (tokens x heads sharing a KV head) one attention task takes at most: their
+// scores, [rows][context], are its scratch.
+constexpr int ATT_ROWS = 32;
 
-void attend_scalar(const float* q, const uint16_t* K, const uint16_t* V, int n, int D, int group,
-                   float scale, float* scores, float* row, float* out) {
-    for (int t = 0; t < n; t++) {
-        for (int i = 0; i < D; i++) row[i] = fp16_to_fp32(K[(size_t)t * D + i]);
-        for (int g = 0; g < group; g++) {
-            float s = 0.f;
-            for (int i = 0; i < D; i++) s = std::fmaf(q[g * D + i], row[i], s);
-            scores[(size_t)g * n + t] = s * scale;
+// Attention against one KV head for `tokens` consecutive query tokens: token j's `group`
+// query heads (at q + j * q_stride, D floats each) see cached positions [0, n0 + j) and
+// write their outputs at out + j * out_stride. The tokens share every K and V row they read.
+struct Queries {
+    const float* q;
+    size_t q_stride;
+    float* out;
+    size_t out_stride;
+    int group, tokens, n0, D;
+
+    int rows() const { return group * tokens; }
+    int seen(int r) const { return n0 + r / group; }                 // positions row r sees
+    int last() const { return n0 + tokens - 1; }                     // the most any row sees
+    const float* qrow(int r) const { return q + (size_t)(r / group) * q_stride + (size_t)(r % group) * D; }
+    float* orow(int r) const { return out + (size_t)(r / group) * out_stride + (size_t)(r % group) * D; }
+};
+
+// scores: [rows][last()] floats of scratch; row: 8 x D floats, 32-byte aligned.
+using AttendFn = void (*)(const Queries& a, const uint16_t* K, const uint16_t* V, float scale, float* scores,
+                          float* row);
+
+// The reference: one token at a time, one position at a time.
+void attend_scalar(const Queries& a, const uint16_t* K, const uint16_t* V, float scale, float* scores,
+                   float* row) {
+    const int D = a.D;
+    for (int r = 0; r < a.rows(); r++) {
+        const int n = a.seen(r);
+        const float* q = a.qrow(r);
+        float* s = scores;
+        for (int t = 0; t < n; t++) {
+            for (int i = 0; i < D; i++) row[i] = fp16_to_fp32(K[(size_t)t * D + i]);
+            float acc = 0.f;
+            for (int i = 0; i < D; i++) acc = std::fmaf(q[i], row[i], acc);
+            s[t] = acc * scale;
         }
-    }
-    for (int g = 0; g < group; g++) {
-        float* s = scores + (size_t)g * n;
         float mx = s[0], sum = 0.f;
         for (int t = 1; t < n; t++) mx = s[t] > mx ? s[t] : mx;
         for (int t = 0; t < n; t++) sum += s[t] = std::exp(s[t] - mx);
         const float inv = 1.0f / sum;
         for (int t = 0; t < n; t++) s[t] *= inv;
-    }
-    std::memset(out, 0, sizeof(float) * group * D);
-    for (int t = 0; t < n; t++) {
-        for (int i = 0; i < D; i++) row[i] = fp16_to_fp32(V[(size_t)t * D + i]);
-        for (int g = 0; g < group; g++)
-            for (int i = 0; i < D; i++) out[g * D + i] = std::fmaf(scores[(size_t)g * n + t], row[i], out[g * D + i]);
+        float* o = a.orow(r);
+        std::memset(o, 0, sizeof(float) * D);
+        for (int t = 0; t < n; t++) {
+            for (int i = 0; i < D; i++) row[i] = fp16_to_fp32(V[(size_t)t * D + i]);
+            for (int i = 0; i < D; i++) o[i] = std::fmaf(s[t], row[i], o[i]);
+        }
     }
 }
 
@@ -76,39 +98,48 @@ static inline __m256 sum8(const __m256* a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// out[g][i0, i0 + 8L) = sum over positions of scores[g][t] V[t][i0, i0 + 8L) for G query
-// heads: their accumulators stay in registers across every position, so the sum costs a
-// fused multiply-add per 8 values and no store until the end.
+// out_g[i0, i0 + 8L) += sum over positions [t0, t1) of scores_g[t] V[t][i0, i0 + 8L) for G
+// rows (score rows `stride` apart): the accumulators stay in registers across the positions,
+// so the sum costs a fused multiply-add per 8 values. The first block (t0 == 0) starts from 0.
 template <int G, int L>
-static inline void values_slice(const float* scores, int n, const uint16_t* V, int D, int i0, float* out) {
+static inline void values_slice(const float* scores, size_t stride, int t0, int t1, const uint16_t* V, int D,
+                                int i0, float* const* out) {
     __m256 acc[G][L];
     for (int g = 0; g < G; g++)
-        for (int l = 0; l < L; l++) acc[g][l] = _mm256_setzero_ps();
-    for (int t = 0; t < n; t++) {
+        for (int l = 0; l < L; l++) acc[g][l] = t0 ? _mm256_loadu_ps(out[g] + i0 + 8 * l) : _mm256_setzero_ps();
+    for (int t = t0; t < t1; t++) {
         __m256 v[L];
         for (int l = 0; l < L; l++)
             v[l] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(V + (size_t)t * D + i0 + 8 * l)));
         for (int g = 0; g < G; g++) {
-            const __m256 p = _mm256_broadcast_ss(scores + (size_t)g * n + t);
+            const __m256 p = _mm256_broadcast_ss(scores + g * stride + t);
             for (int l = 0; l < L; l++) acc[g][l] = _mm256_fmadd_ps(p, v[l], acc[g][l]);
         }
     }
     for (int g = 0; g < G; g++)
-        for (int l = 0; l < L; l++) _mm256_storeu_ps(out + (size_t)g * D + i0 + 8 * l, acc[g][l]);
+        for (int l = 0; l < L; l++) _mm256_storeu_ps(out[g] + i0 + 8 * l, acc[g][l]);
 }
 
-// G query heads' weighted sums of the values, D in slices of 16 (and a last one of 8).
+// G rows' weighted sums of values [t0, t1), D in slices of 16 (and a last one of 8).
 template <int G>
-static void values(const float* scores, int n, const uint16_t* V, int D, float* out) {
+static void values(const float* scores, size_t stride, int t0, int t1, const uint16_t* V, int D,
+                   float* const* out) {
     int i = 0;
-    for (; i + 16 <= D; i += 16) values_slice<G, 2>(scores, n, V, D, i, out);
-    if (i < D) values_slice<G, 1>(scores, n, V, D, i, out);
+    for (; i + 16 <= D; i += 16) values_slice<G, 2>(scores, stride, t0, t1, V, D, i, out);
+    if (i < D) values_slice<G, 1>(scores, stride, t0, t1, V, D, i, out);
 }
+
+// Positions whose values (64 x D fp16: 16 KB at D = 128) stay in L1 while every row and
+// every slice of D passes over them, so V streams from memory once.
+constexpr int VALUE_BLOCK = 64;
 
 // D is a multiple of 8 (checked at load). Scores go eight positions at a time: the K rows
-// are converted once into `row` (8 x D floats) and serve every query head of the group.
-void attend_avx2(const float* q, const uint16_t* K, const uint16_t* V, int n, int D, int group,
-                 float scale, float* scores, float* row, float* out) {
+// are converted once into `row` (8 x D floats) and serve every query row. Every row then
+// gets exactly the numbers it would alone: a row's softmax runs over the positions it sees
+// (with the single-token chunking), and the positions past them weigh exactly 0 in the sums.
+void attend_avx2(const Queries& a, const uint16_t* K, const uint16_t* V, float scale, float* scores, float* row) {
+    const int D = a.D, n = a.last(), R = a.rows();
+    const size_t stride = (size_t)n;
     const __m256 vscale = _mm256_set1_ps(scale);
     for (int t0 = 0; t0 < n; t0 += 8) {
         const int m = n - t0 < 8 ? n - t0 : 8;
@@ -121,44 +152,52 @@ void attend_avx2(const float* q, const uint16_t* K, const uint16_t* V, int n, in
             for (int i = 0; i < D; i += 8)
                 _mm256_store_ps(row + p * D + i, p < m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(K + (size_t)(t0 + p) * D + i)))
                                                        : _mm256_setzero_ps());
-        for (int g = 0; g < group; g++) {
+        for (int r = 0; r < R; r++) {
+            const float* q = a.qrow(r);
             __m256 acc[8];
             for (int p = 0; p < 8; p++) acc[p] = _mm256_setzero_ps();
             for (int i = 0; i < D; i += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + g * D + i);
+                const __m256 qv = _mm256_loadu_ps(q + i);
                 for (int p = 0; p < 8; p++) acc[p] = _mm256_fmadd_ps(qv, _mm256_load_ps(row + p * D + i), acc[p]);
             }
             alignas(32) float sc[8];
             _mm256_store_ps(sc, _mm256_mul_ps(sum8(acc), vscale));
-            std::memcpy(scores + (size_t)g * n + t0, sc, m * sizeof(float));
+            std::memcpy(scores + r * stride + t0, sc, m * sizeof(float));
         }
     }
-    for (int g = 0; g < group; g++) {
-        float* s = scores + (size_t)g * n;
-        const float mx = max_avx2(s, n);
+    for (int r = 0; r < R; r++) {
+        float* s = scores + r * stride;
+        const int nr = a.seen(r);
+        const float mx = max_avx2(s, nr);
         const __m256 vmx = _mm256_set1_ps(mx);
         __m256 acc = _mm256_setzero_ps();
         int t = 0;
-        for (; t + 8 <= n; t += 8) {
+        for (; t + 8 <= nr; t += 8) {
             const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
             _mm256_storeu_ps(s + t, e);
             acc = _mm256_add_ps(acc, e);
         }
         float sum = hsum(acc);
-        for (; t < n; t++) sum += s[t] = std::exp(s[t] - mx);
+        for (; t < nr; t++) sum += s[t] = std::exp(s[t] - mx);
         const float inv = 1.0f / sum;
         const __m256 vinv = _mm256_set1_ps(inv);
-        for (t = 0; t + 8 <= n; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), vinv));
-        for (; t < n; t++) s[t] *= inv;
+        for (t = 0; t + 8 <= nr; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), vinv));
+        for (; t < nr; t++) s[t] *= inv;
+        for (t = nr; t < n; t++) s[t] = 0.f;
     }
-    for (int g0 = 0; g0 < group; g0 += 4) {
-        const float* s = scores + (size_t)g0 * n;
-        float* o = out + (size_t)g0 * D;
-        switch (group - g0 < 4 ? group - g0 : 4) {
-            case 4: values<4>(s, n, V, D, o); break;
-            case 3: values<3>(s, n, V, D, o); break;
-            case 2: values<2>(s, n, V, D, o); break;
-            default: values<1>(s, n, V, D, o); break;
+    for (int t0 = 0; t0 < n; t0 += VALUE_BLOCK) {
+        const int t1 = n - t0 < VALUE_BLOCK ? n : t0 + VALUE_BLOCK;
+        for (int r0 = 0; r0 < R; r0 += 4) {
+            const float* s = scores + r0 * stride;
+            float* out[4];
+            const int g = R - r0 < 4 ? R - r0 : 4;
+            for (int j = 0; j < g; j++) out[j] = a.orow(r0 + j);
+            switch (g) {
+                case 4: values<4>(s, stride, t0, t1, V, D, out); break;
+                case 3: values<3>(s, stride, t0, t1, V, D, out); break;
+                case 2: values<2>(s, stride, t0, t1, V, D, out); break;
+                default: values<1>(s, stride, t0, t1, V, D, out); break;
+            }
         }
     }
 }
@@ -214,13 +253,14 @@ struct Model::Impl {
     FileHeader h{};
     std::string err;
     int max_ctx = 0, vocab = 0, q_dim = 0, kv_dim = 0, qkv_rows = 0;
+    int att_rows = 0;                  // query rows one attention task holds at most
     const float* norm = nullptr;
     Mat embed, output;
     std::vector<Layer> layers;
     std::vector<uint16_t> kcache, vcache;
     std::vector<float> cos_t, sin_t;
     std::vector<float> x, xn, qkv, att, gu, hb, tmp, logits_tmp;
-    std::vector<float> scratch;        // per thread: scores [group][ctx] + a K/V row
+    std::vector<float> scratch;        // per thread: scores [att_rows][ctx] + 8 K rows
     QActs acts;
     bool loaded = false;
     int split_tiles = SPLIT_GUIDED;
@@ -359,7 +399,8 @@ bool Model::load(const char* path, int max_context, bool in_memory) {
     m.gu.resize((size_t)K * 2 * I); m.hb.resize((size_t)K * I);
     m.logits_tmp.resize((size_t)K * m.vocab);
     const int group = h.num_heads / h.num_kv_heads;
-    m.scratch.resize((size_t)online_cpus() * ((size_t)group * max_context + 8 * h.head_dim + 16) + 64);
+    m.att_rows = std::max(group, ATT_ROWS / group * group);
+    m.scratch.resize((size_t)online_cpus() * ((size_t)m.att_rows * max_context + 8 * h.head_dim + 16) + 64);
     m.loaded = true;
     return true;
 }
@@ -427,18 +468,25 @@ int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, T
 void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int path) {
     const int D = h.head_dim, KV = h.num_kv_heads, group = h.num_heads / KV;
     const float scale = (float)std::pow((double)D, -0.5);
-    const size_t per_thread = (size_t)group * max_ctx + 8 * D + 16;
+    const size_t per_thread = (size_t)att_rows * max_ctx + 8 * D + 16;
     const AttendFn attend = path == PATH_SCALAR ? attend_scalar : attend_avx2;
-    // one task per (kv head, token): its query heads read each K and V row once
-    for_range(pool, KV * k, 1, [&](int b, int e, int tid) {
+    // A task: one KV head and up to `per` tokens, whose query heads all share each K and V
+    // row it reads (a verification pass reads the cache once, not once per token) -- as long
+    // as every thread still gets a task.
+    const int threads = pool ? pool->size() : 1;
+    int per = std::min(k, att_rows / group);
+    while (per > 1 && KV * ((k + per - 1) / per) < threads) per--;
+    const int chunks = (k + per - 1) / per;
+    for_range(pool, KV * chunks, 1, [&](int b, int e, int tid) {
         float* scores = scratch.data() + (size_t)tid * per_thread;
-        float* row = (float*)(((uintptr_t)(scores + (size_t)group * max_ctx) + 31) & ~(uintptr_t)31);
+        float* row = (float*)(((uintptr_t)(scores + (size_t)att_rows * max_ctx) + 31) & ~(uintptr_t)31);
         for (int task = b; task < e; task++) {
-            const int kvh = task / k, j = task % k;
+            const int kvh = task / chunks, j0 = task % chunks * per;
             const size_t base = (((size_t)layer * KV + kvh) * max_ctx) * D;
-            attend(qkv.data() + (size_t)j * qkv_rows + (size_t)kvh * group * D, kcache.data() + base,
-                   vcache.data() + base, pos + j + 1, D, group, scale, scores, row,
-                   att.data() + (size_t)j * q_dim + (size_t)kvh * group * D);
+            const Queries a{qkv.data() + (size_t)j0 * qkv_rows + (size_t)kvh * group * D, (size_t)qkv_rows,
+                            att.data() + (size_t)j0 * q_dim + (size_t)kvh * group * D, (size_t)q_dim,
+                            group, std::min(per, k - j0), pos + j0 + 1, D};
+            attend(a, kcache.data() + base, vcache.data() + base, scale, scores, row);
         }
     });
 }
