@@ -210,9 +210,8 @@ void swiglu_avx2(const float* gate, const float* up, float* out, int n) {
         const __m256 neg = _mm256_min_ps(g, _mm256_sub_ps(_mm256_setzero_ps(), g));      // -|g|
         const __m256 e = exp_neg(neg);                                                   // e^-|g|
         const __m256 one = _mm256_set1_ps(1.0f);
-        const __m256 sig_pos = _mm256_div_ps(one, _mm256_add_ps(one, e));               // g >= 0
-        const __m256 sig_neg = _mm256_div_ps(e, _mm256_add_ps(one, e));                 // g < 0
-        const __m256 sig = _mm256_blendv_ps(sig_pos, sig_neg, g);
+        // sigmoid: 1 / (1 + e) for g >= 0, e / (1 + e) for g < 0 -- one division either way
+        const __m256 sig = _mm256_div_ps(_mm256_blendv_ps(one, e, g), _mm256_add_ps(one, e));
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(g, sig), _mm256_loadu_ps(up + i)));
     }
     for (; i < n; i++) out[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
