@@ -162,6 +162,13 @@ namespace avx512 {
 // further ahead or one for the scales cost 10-25% (the hardware prefetcher has the scales).
 constexpr int PREFETCH = LAB_PREFETCH;
 
+// s + w . (the 4 activation bytes at a, in every lane), the bytes broadcast by the
+// instruction's own memory operand: no separate broadcast to issue per token and block.
+static inline __m512i dpbusd_bcst(__m512i s, __m512i w, const int8_t* a) {
+    asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(s) : "v"(w), "m"(*(const int32_t*)a));
+    return s;
+}
+
 template <int FMT>
 static void tiles(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1) {
     const int nb = W.cols / QK, k = A.k();
@@ -193,8 +200,8 @@ static void tiles(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int
                 // two chains, so a single token is not bound by vpdpbusd's latency
                 __m512i s0 = _mm512_set1_epi32(A.corr(t, FMT)[b]), s1 = _mm512_setzero_si512();
                 for (int j = 0; j < 8; j += 2) {
-                    s0 = _mm512_dpbusd_epi32(s0, w[j], _mm512_set1_epi32(load4(a + 4 * j)));
-                    s1 = _mm512_dpbusd_epi32(s1, w[j + 1], _mm512_set1_epi32(load4(a + 4 * j + 4)));
+                    s0 = dpbusd_bcst(s0, w[j], a + 4 * j);
+                    s1 = dpbusd_bcst(s1, w[j + 1], a + 4 * j + 4);
                 }
                 const __m512 d = _mm512_mul_ps(dw, _mm512_set1_ps(A.d(t)[b]));
                 vacc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), d, vacc[t]);
