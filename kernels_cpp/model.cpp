@@ -120,11 +120,13 @@ static inline void values_slice(const float* scores, size_t stride, int t0, int 
         for (int l = 0; l < L; l++) _mm256_storeu_ps(out[g] + i0 + 8 * l, acc[g][l]);
 }
 
-// G rows' weighted sums of values [t0, t1), D in slices of 16 (and a last one of 8).
+// G rows' weighted sums of values [t0, t1), D in slices of 8L values (then 16, then 8).
 template <int G>
 static void values(const float* scores, size_t stride, int t0, int t1, const uint16_t* V, int D,
                    float* const* out) {
+    constexpr int L = G >= 3 ? 2 : 4;    // 6-8 accumulators: both FMA pipes busy through the latency
     int i = 0;
+    for (; i + 8 * L <= D; i += 8 * L) values_slice<G, L>(scores, stride, t0, t1, V, D, i, out);
     for (; i + 16 <= D; i += 16) values_slice<G, 2>(scores, stride, t0, t1, V, D, i, out);
     if (i < D) values_slice<G, 1>(scores, stride, t0, t1, V, D, i, out);
 }
@@ -152,18 +154,25 @@ void attend_avx2(const Queries& a, const uint16_t* K, const uint16_t* V, float s
             for (int i = 0; i < D; i += 8)
                 _mm256_store_ps(row + p * D + i, p < m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(K + (size_t)(t0 + p) * D + i)))
                                                        : _mm256_setzero_ps());
-        for (int r = 0; r < R; r++) {
-            const float* q = a.qrow(r);
-            __m256 acc[8];
-            for (int p = 0; p < 8; p++) acc[p] = _mm256_setzero_ps();
-            for (int i = 0; i < D; i += 8) {
-                const __m256 qv = _mm256_loadu_ps(q + i);
-                for (int p = 0; p < 8; p++) acc[p] = _mm256_fmadd_ps(qv, _mm256_load_ps(row + p * D + i), acc[p]);
+        int r = 0;
+        for (int j = 0; j < a.tokens; j++)
+            for (int g = 0; g < a.group; g++, r++) {
+                const float* q = a.q + (size_t)j * a.q_stride + (size_t)g * D;
+                __m256 acc[8];
+                for (int p = 0; p < 8; p++) acc[p] = _mm256_setzero_ps();
+                for (int i = 0; i < D; i += 8) {
+                    const __m256 qv = _mm256_loadu_ps(q + i);
+                    for (int p = 0; p < 8; p++) acc[p] = _mm256_fmadd_ps(qv, _mm256_load_ps(row + p * D + i), acc[p]);
+                }
+                const __m256 sc = _mm256_mul_ps(sum8(acc), vscale);
+                if (m == 8) {
+                    _mm256_storeu_ps(scores + r * stride + t0, sc);
+                } else {
+                    alignas(32) float part[8];
+                    _mm256_store_ps(part, sc);
+                    std::memcpy(scores + r * stride + t0, part, m * sizeof(float));
+                }
             }
-            alignas(32) float sc[8];
-            _mm256_store_ps(sc, _mm256_mul_ps(sum8(acc), vscale));
-            std::memcpy(scores + r * stride + t0, sc, m * sizeof(float));
-        }
     }
     for (int r = 0; r < R; r++) {
         float* s = scores + r * stride;
