@@ -69,9 +69,13 @@ int online_cpus();
 // The matmuls' split: guided, shares shrinking to ~96 KB of weights. A weight stream wants
 // long runs per thread (each jump restarts the prefetchers and strands the prefetches past a
 // run's end; 96 KB runs cost ~20% of the read rate when the bus is fast), and the shrinking
-// tail keeps the threads finishing together on a shared machine.
+// tail keeps the threads finishing together on a shared machine. A matrix under 4 MB goes
+// in static halves instead: each hand-out is an atomic on a line the other cores share, and
+// on so short a stream those transfers cost more than the balancing buys (fast-bus state,
+// qkv 0.73 -> 0.83 and o 0.68 -> 0.78 of the read ceiling; slow state a point better).
 constexpr int SPLIT_GUIDED = -1;
 constexpr int64_t GUIDED_MIN_BYTES = 96 << 10;
+constexpr int64_t GUIDED_FROM_BYTES = 4 << 20;
 
 // ----------------------------------------------------------------------------
 // Block formats (split layout: scales region, then bytes region)
