@@ -291,8 +291,8 @@ public:
     // How matmuls split their tiles over the pool: 0 static halves, n > 0 chunks of n tiles,
     // SPLIT_GUIDED (the default). Results are identical either way; only the timing moves.
     void set_chunk(int tiles);
-    // Stage timing: profile(true) zeroes the sums and adds each stage's wall time from then
-    // on; stage_seconds copies the sums out, stage_bytes the weight bytes each stage reads
+    // Stage timing: profile(on) zeroes the sums; while on, every pass adds each stage's wall
+    // time. stage_seconds copies the sums out, stage_bytes the weight bytes each stage reads
     // in one pass (the output layer: its logits rows for one token). Both [N_STAGES].
     void profile(bool on);
     void stage_seconds(double* secs) const;

@@ -119,7 +119,7 @@ class Engine:
         return int(self._m.weight_bytes())
 
     def profile(self, on: bool = True) -> None:
-        """Start (clearing the sums) or stop timing the stages of every forward pass."""
+        """Start or stop timing the stages of every forward pass; either way the sums restart at 0."""
         self._m.profile(bool(on))
 
     def stage_seconds(self) -> dict[str, float]:
