@@ -108,7 +108,8 @@ class Engine:
 
     def set_chunk(self, tiles: int | str) -> None:
         """Matmul work split: 0 static halves, n > 0 chunks of n 16-row tiles, or "guided"
-        (the default: shares of what is left, shrinking to ~96 KB of weights)."""
+        (the default: shares of what is left, shrinking to ~96 KB of weights; matrices under
+        4 MB in static halves)."""
         try:
             self._m.set_chunk(split_code(tiles))
         except ValueError as e:
