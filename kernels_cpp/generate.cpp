@@ -7,8 +7,8 @@
 #include <cmath>
 #include <vector>
 
-#include "lab.h"
 #include "clock.h"
+#include "lab.h"
 #include "threadpool.h"
 
 namespace lab {

@@ -147,6 +147,7 @@ private:
 };
 int64_t packed_scale_count(int rows, int cols);   // fp16 scales in the packed layout
 int64_t packed_byte_count(int fmt, int rows, int cols);
+int64_t packed_nbytes(int fmt, int rows, int cols);     // scales and bytes: what a pass reads
 
 // k tokens of one matmul input, quantized once to 8-bit blocks, with each block's
 // offset corrections (-8 sum and -128 sum) ready to broadcast.

@@ -244,7 +244,7 @@ int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path, 
     if (!path_supported(path)) return MM_PATH_UNSUPPORTED;
     const TilesFn fn = tiles_for(path, W.fmt);
     if (chunk < 0) {    // guided: the pool's smallest share in tiles, from bytes; small matrices static
-        const int64_t tile_bytes = packed_scale_count(TILE, W.cols) * 2 + packed_byte_count(W.fmt, TILE, W.cols);
+        const int64_t tile_bytes = packed_nbytes(W.fmt, TILE, W.cols);
         chunk = tile_bytes * W.tiles < GUIDED_FROM_BYTES ? 0 : -(int)((GUIDED_MIN_BYTES + tile_bytes - 1) / tile_bytes);
     }
     for_range(pool, W.tiles, chunk, [&](int b, int e, int) { fn(W, A, y, ldy, b, e); });

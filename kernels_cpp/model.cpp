@@ -331,8 +331,7 @@ void Model::profile(bool on) {
 void Model::stage_seconds(double* secs) const { std::copy(impl_->stage_secs, impl_->stage_secs + N_STAGES, secs); }
 
 static int64_t mat_bytes(const Mat& w) {
-    return w.fmt == FMT_F32 ? (int64_t)w.rows * w.cols * 4
-                            : packed_scale_count(w.rows, w.cols) * 2 + packed_byte_count(w.fmt, w.rows, w.cols);
+    return w.fmt == FMT_F32 ? (int64_t)w.rows * w.cols * 4 : packed_nbytes(w.fmt, w.rows, w.cols);
 }
 
 void Model::stage_bytes(int64_t* bytes) const {

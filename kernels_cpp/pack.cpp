@@ -16,6 +16,10 @@ int64_t packed_byte_count(int fmt, int rows, int cols) {
     return packed_scale_count(rows, cols) * (fmt == FMT_Q4 ? Q4_BYTES : Q8_BYTES);
 }
 
+int64_t packed_nbytes(int fmt, int rows, int cols) {
+    return packed_scale_count(rows, cols) * 2 + packed_byte_count(fmt, rows, cols);
+}
+
 // Big matrices go on 2 MB pages where the kernel allows: a decode step walks every byte
 // once, and 4 KB pages would cost a TLB miss every 4 KB of it.
 void* alloc_huge(size_t bytes) {
@@ -32,7 +36,7 @@ Packed::Packed() = default;
 Packed::~Packed() { std::free(mem_); }
 
 int64_t Packed::nbytes() const {
-    return mem_ ? packed_scale_count(m_.rows, m_.cols) * 2 + packed_byte_count(m_.fmt, m_.rows, m_.cols) : 0;
+    return mem_ ? packed_nbytes(m_.fmt, m_.rows, m_.cols) : 0;
 }
 
 int Packed::pack(const QMat& W) {
