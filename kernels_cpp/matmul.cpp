@@ -154,13 +154,17 @@ namespace avx512 {
 #ifndef LAB_PREFETCH
 #define LAB_PREFETCH 8192
 #endif
-// How far ahead a thread asks for its weight stream (tiles are contiguous): LAB_PREFETCH
-// bytes of a 4-bit stream, the same number of blocks (twice the bytes) of an 8-bit one. One
-// request per line into L1, nothing more. Measured in a microbenchmark, both threads: 8 KB
-// (4-bit) and 16 KB (8-bit) ahead gave 1.02 and 0.93 of the read loop's rate in the fast-bus
-// state, where each core's own outstanding misses are the limit; adding an L2 prefetch
-// further ahead or one for the scales cost 10-25% (the hardware prefetcher has the scales).
+// How far ahead a thread asks for its weight stream (tiles are contiguous), in bytes of a
+// 4-bit stream (an 8-bit one goes the same number of blocks, twice the bytes), one request
+// per line. One token is bound by the stream: LAB_PREFETCH into L1 and nothing more (a
+// microbenchmark, both threads, fast-bus state: 8 KB ahead gave 1.02 of the read loop's
+// rate; an L2 request further ahead cost the engine's single-token pass 10-14%). Several
+// tokens are bound by arithmetic as much as by the stream, and the hardware prefetcher
+// falls behind a stream read that slowly: requests into L2 16 KB ahead and into L1 4 KB
+// ahead made the engine's 2-, 4- and 8-token passes 7-15% faster in the fast-bus state and
+// the 4- and 8-token ones 15% in the slow one (one process, variants interleaved).
 constexpr int PREFETCH = LAB_PREFETCH;
+constexpr int PREFETCH_L1_K = 4096, PREFETCH_L2_K = 16384;      // k >= 2
 
 // s + w . (the 4 activation bytes at a, in every lane), the bytes broadcast by the
 // instruction's own memory operand: no separate broadcast to issue per token and block.
@@ -176,6 +180,7 @@ static void tiles(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int
     const __m512i nib = _mm512_set1_epi8(0x0f);
     alignas(64) float acc[MAX_K][TILE];
     __m512 vacc[MAX_K];
+    const int64_t ahead = (k > 1 ? PREFETCH_L1_K : PREFETCH) * CH / 4, ahead_l2 = PREFETCH_L2_K * CH / 4;
     for (int tile = t0; tile < t1; tile++) {
         const uint16_t* dt = W.d + (int64_t)tile * nb * TILE;
         const uint8_t* qt = W.q + (int64_t)tile * nb * CH * 64;
@@ -183,7 +188,9 @@ static void tiles(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int
         for (int b = 0; b < nb; b++) {
             const uint8_t* qb = qt + (int64_t)b * CH * 64;
             // the weights stream from memory once: ask for them well before they are needed
-            for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + PREFETCH * CH / 4 + g * 64), _MM_HINT_T0);
+            for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + ahead + g * 64), _MM_HINT_T0);
+            if (k > 1)
+                for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + ahead_l2 + g * 64), _MM_HINT_T2);
             const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(dt + b * TILE)));
             __m512i w[8];                                   // w[j] meets activation bytes 4j..4j+3
             for (int g = 0; g < CH; g++) {

@@ -38,9 +38,9 @@ def cache_dir() -> Path:
 
 
 def flags() -> list[str]:
-    """The build flags; LAB_PREFETCH=<bytes> overrides the AVX-512 kernel's prefetch distance
-    in a 4-bit stream (8192; twice that in an 8-bit one), for sweeps: each value is its own
-    cached build."""
+    """The build flags; LAB_PREFETCH=<bytes> overrides the AVX-512 kernel's single-token
+    prefetch distance in a 4-bit stream (8192; twice that in an 8-bit one), for sweeps: each
+    value is its own cached build."""
     v = os.environ.get("LAB_PREFETCH")
     if not v:
         return FLAGS
