@@ -92,6 +92,8 @@ void dequantize_q8(const uint16_t* d, const int8_t* q, int64_t n, float* out);
 void dequantize_q4(const uint16_t* d, const uint8_t* q, int64_t n, float* out);
 uint16_t f32_to_f16(float f);
 float f16_to_f32(uint16_t h);
+// n values at once (the KV cache's rows): f32_to_f16's bits on every path, but for NaN payloads.
+void f32_to_f16_row(const float* x, int64_t n, uint16_t* out, int path);
 
 // A quantized weight matrix [rows, cols] in the split layout; the memory belongs to the caller.
 struct QMat {

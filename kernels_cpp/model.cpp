@@ -599,10 +599,8 @@ int Model::Impl::chunk(const int32_t* tok, int k, int pos, float* logits, int mo
             }
             for (uint32_t kvh = 0; kvh < h.num_kv_heads; kvh++) {
                 const size_t at = (((size_t)l * h.num_kv_heads + kvh) * max_ctx + p) * D;
-                for (int i = 0; i < D; i++) {
-                    kcache[at + i] = fp32_to_fp16(row[q_dim + kvh * D + i]);
-                    vcache[at + i] = fp32_to_fp16(row[q_dim + kv_dim + kvh * D + i]);
-                }
+                f32_to_f16_row(row + q_dim + kvh * D, D, &kcache[at], path);
+                f32_to_f16_row(row + q_dim + kv_dim + kvh * D, D, &vcache[at], path);
             }
         }
         lap(STAGE_SERIAL);

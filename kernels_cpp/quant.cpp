@@ -14,6 +14,22 @@ namespace lab {
 uint16_t f32_to_f16(float f) { return fp32_to_fp16(f); }
 float f16_to_f32(uint16_t h) { return fp16_to_fp32(h); }
 
+#pragma GCC push_options
+#pragma GCC target("avx2,f16c")
+// F16C rounds to nearest even as fp32_to_fp16 does (only NaN payloads may differ).
+static void f32_to_f16_f16c(const float* x, int64_t n, uint16_t* out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i*)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) out[i] = fp32_to_fp16(x[i]);
+}
+#pragma GCC pop_options
+
+void f32_to_f16_row(const float* x, int64_t n, uint16_t* out, int path) {
+    if (path != PATH_SCALAR && path_supported(path)) return f32_to_f16_f16c(x, n, out);
+    for (int64_t i = 0; i < n; i++) out[i] = fp32_to_fp16(x[i]);
+}
+
 // ============================================================================
 // Weights (scalar: quantized once, at export)
 // ============================================================================

@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from lab import formats, kernels
+from lab import formats, kernels, native
 from lab.formats import QuantizationError
 
 
@@ -106,7 +106,12 @@ def test_fp16_conversion_matches_numpy(ns, rng):
     ]).astype(np.float32)
     cpp = np.array([ns.f32_to_f16(float(v)) for v in f], np.uint16)
     with np.errstate(over="ignore"):
-        assert np.array_equal(cpp, f.astype(np.float16).view(np.uint16))
+        want = f.astype(np.float16).view(np.uint16)
+    assert np.array_equal(cpp, want)
+    for path in native.supported_paths():                  # the KV cache's row conversion
+        row = np.zeros(f.size, np.uint16)
+        ns.f32_to_f16_row(f, f.size, row, native.path_id(path))
+        assert np.array_equal(row, want), path
 
 
 def test_activation_blocks_identical_on_every_path(rng):
