@@ -267,12 +267,13 @@ double sum_squares_avx2(const float* x, int n) {
     return fold_lanes(l, x, i, n);
 }
 
-void scale_avx2(const float* x, const float* w, float r, int n, float* out) {
+// out[i] = w[i] * (x[i] * r) for the whole eights of n; returns how many it did.
+int scale_avx2(const float* x, const float* w, float r, int n, float* out) {
     const __m256 vr = _mm256_set1_ps(r);
     int i = 0;
     for (; i + 8 <= n; i += 8)
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_loadu_ps(w + i), _mm256_mul_ps(_mm256_loadu_ps(x + i), vr)));
-    for (; i < n; i++) out[i] = w[i] * (x[i] * r);
+    return i;
 }
 #pragma GCC pop_options
 
@@ -281,11 +282,7 @@ void rms_norm(const float* x, const float* w, int n, float eps, float* out, int 
     const bool simd = path != PATH_SCALAR;
     const double ss = simd ? sum_squares_avx2(x, n) : sum_squares_scalar(x, n);
     const float r = 1.0f / std::sqrt((float)(ss / n) + eps);
-    if (simd) {
-        scale_avx2(x, w, r, n, out);
-        return;
-    }
-    for (int i = 0; i < n; i++) out[i] = w[i] * (x[i] * r);
+    for (int i = simd ? scale_avx2(x, w, r, n, out) : 0; i < n; i++) out[i] = w[i] * (x[i] * r);
 }
 
 }  // namespace

@@ -16,18 +16,19 @@ float f16_to_f32(uint16_t h) { return fp16_to_fp32(h); }
 
 #pragma GCC push_options
 #pragma GCC target("avx2,f16c")
-// F16C rounds to nearest even as fp32_to_fp16 does (only NaN payloads may differ).
-static void f32_to_f16_f16c(const float* x, int64_t n, uint16_t* out) {
+// The whole eights of n; returns how many it did. F16C rounds to nearest even as
+// fp32_to_fp16 does (only NaN payloads may differ).
+static int64_t f32_to_f16_f16c(const float* x, int64_t n, uint16_t* out) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
         _mm_storeu_si128((__m128i*)(out + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
-    for (; i < n; i++) out[i] = fp32_to_fp16(x[i]);
+    return i;
 }
 #pragma GCC pop_options
 
 void f32_to_f16_row(const float* x, int64_t n, uint16_t* out, int path) {
-    if (path != PATH_SCALAR && path_supported(path)) return f32_to_f16_f16c(x, n, out);
-    for (int64_t i = 0; i < n; i++) out[i] = fp32_to_fp16(x[i]);
+    const bool simd = path != PATH_SCALAR && path_supported(path);
+    for (int64_t i = simd ? f32_to_f16_f16c(x, n, out) : 0; i < n; i++) out[i] = fp32_to_fp16(x[i]);
 }
 
 // ============================================================================
@@ -257,10 +258,9 @@ int QActs::quantize_blocks(const float* x, int64_t b0, int64_t b1, int path, int
                : path == PATH_SCALAR                                 ? quantize_act_scalar
                                                                      : quantize_act_avx2;
     if (!path_supported(path)) block = quantize_act_scalar;
-    // Whole lines of zeros first, then the blocks' scattered 4- and 16-byte stores. On this
-    // machine's fast-bus state the first partial stores into lines the other core has read
-    // cost ~10 us a 4-token call (3.5 us alone); after a memset, half that (measured in the
-    // engine; PREFETCHW on the same lines did not help).
+    // Whole lines of zeros first, then the blocks' scattered 4- and 16-byte stores. In this
+    // machine's fast-bus state a 4-token call right after a matmul took ~14 us (~3 us when
+    // repeated at once); with the memset ~7.5 us, in the engine (PREFETCHW did not help).
     std::memset(q_ + b0 * QK, 0, (size_t)(b1 - b0) * QK);
     for (int32_t* a : {(int32_t*)d_, s_, c4_, c8_}) std::memset(a + b0, 0, (size_t)(b1 - b0) * 4);
     for (int64_t b = b0; b < b1; b++) {
