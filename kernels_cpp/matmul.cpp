@@ -167,6 +167,10 @@ namespace avx512 {
 // the 4- and 8-token ones 15% in the slow one (one process, variants interleaved).
 constexpr int PREFETCH = LAB_PREFETCH;
 constexpr int PREFETCH_L1_K = 4096, PREFETCH_L2_K = 16384;      // k >= 2
+// Which kernels take the single-token scheme: one token, and the 8-bit output layer at two,
+// still bound by the stream there (its share of a 2-token pass 5.86 -> 5.27 ms in the
+// fast-bus state with it, slow state unchanged).
+constexpr bool stream_bound(int fmt, int k) { return k == 1 || (fmt == FMT_Q8 && k == 2); }
 
 // s + w . (the 4 activation bytes at a, in every lane), the bytes broadcast by the
 // instruction's own memory operand: no separate broadcast to issue per token and block.
@@ -194,7 +198,8 @@ static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, i
     const __m512i nib = _mm512_set1_epi8(0x0f);
     alignas(64) float acc[K][TILE];
     __m512 vacc[K];
-    const int64_t ahead = (k > 1 ? PREFETCH_L1_K : PREFETCH) * CH / 4, ahead_l2 = PREFETCH_L2_K * CH / 4;
+    constexpr bool single = stream_bound(FMT, K);
+    const int64_t ahead = (single ? PREFETCH : PREFETCH_L1_K) * CH / 4, ahead_l2 = PREFETCH_L2_K * CH / 4;
     for (int tile = t0; tile < t1; tile++) {
         const uint16_t* dt = W.d + (int64_t)tile * nb * TILE;
         const uint8_t* qt = W.q + (int64_t)tile * nb * CH * 64;
@@ -203,7 +208,7 @@ static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, i
             const uint8_t* qb = qt + (int64_t)b * CH * 64;
             // the weights stream from memory once: ask for them well before they are needed
             for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + ahead + g * 64), _MM_HINT_T0);
-            if (k > 1)
+            if (!single)
                 for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + ahead_l2 + g * 64), _MM_HINT_T2);
             const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(dt + b * TILE)));
             __m512i w[8];                                   // w[j] meets activation bytes 4j..4j+3
