@@ -185,9 +185,10 @@ static inline __m512i dpbusd_bcst(__m512i s, __m512i w, const int8_t* a) {
 // and 2, 0.90x at k = 4 (q4; q8 0.82x), the same bits. In the engine (1.5B, fast-bus
 // state) passes take 0.96x at k = 1, 0.92x at k = 3 and 4, 0.91x at k = 8 -- but two
 // stream-bound cases got slower: q4 at k = 2 (the pass 1.09x) and the q8 output layer at
-// k = 4 (+0.9 ms). There the accumulators still go through memory each block (a compiler
-// barrier), which measured better (k = 2 pass within 2-3% of the run-time kernel; output
-// at k = 4 -0.7 ms). Measured, not understood.
+// k = 4 (+0.9 ms). There the accumulators still go through memory each block (an empty asm
+// taking each as a memory operand), which measured better (k = 2 pass within 2-3% of the
+// run-time kernel; output at k = 4 -0.7 ms); q8 at k = 2 measured the same either way.
+// Measured, not understood.
 constexpr bool through_memory(int fmt, int k) { return k == 2 || (fmt == FMT_Q8 && k == 4); }
 
 template <int FMT, int K>
