@@ -191,52 +191,67 @@ static inline __m512i dpbusd_bcst(__m512i s, __m512i w, const int8_t* a) {
 // Measured, not understood.
 constexpr bool through_memory(int fmt, int k) { return k == 2 || (fmt == FMT_Q8 && k == 4); }
 
-template <int FMT, int K>
-static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1) {
-    constexpr int k = K;
+// One tile's rows for the G tokens from `tok0` on, every block in order (a pass of K
+// tokens in all picks the prefetch scheme; only the first group of a tile prefetches).
+template <int FMT, int G, int K, bool PREFETCH_AHEAD>
+static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int tok0, float (*acc)[TILE]) {
     const int nb = W.cols / QK;
     constexpr int CH = FMT == FMT_Q4 ? 4 : 8;
     const __m512i nib = _mm512_set1_epi8(0x0f);
-    alignas(64) float acc[K][TILE];
-    __m512 vacc[K];
     constexpr bool single = stream_bound(FMT, K);
     const int64_t ahead = (single ? PREFETCH : PREFETCH_L1_K) * CH / 4, ahead_l2 = PREFETCH_L2_K * CH / 4;
-    for (int tile = t0; tile < t1; tile++) {
-        const uint16_t* dt = W.d + (int64_t)tile * nb * TILE;
-        const uint8_t* qt = W.q + (int64_t)tile * nb * CH * 64;
-        for (int t = 0; t < k; t++) vacc[t] = _mm512_setzero_ps();
-        for (int b = 0; b < nb; b++) {
-            const uint8_t* qb = qt + (int64_t)b * CH * 64;
-            // the weights stream from memory once: ask for them well before they are needed
+    const uint16_t* dt = W.d + (int64_t)tile * nb * TILE;
+    const uint8_t* qt = W.q + (int64_t)tile * nb * CH * 64;
+    __m512 vacc[G];
+    for (int t = 0; t < G; t++) vacc[t] = _mm512_setzero_ps();
+    for (int b = 0; b < nb; b++) {
+        const uint8_t* qb = qt + (int64_t)b * CH * 64;
+        // the weights stream from memory once: ask for them well before they are needed
+        if (PREFETCH_AHEAD) {
             for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + ahead + g * 64), _MM_HINT_T0);
             if (!single)
                 for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + ahead_l2 + g * 64), _MM_HINT_T2);
-            const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(dt + b * TILE)));
-            __m512i w[8];                                   // w[j] meets activation bytes 4j..4j+3
-            for (int g = 0; g < CH; g++) {
-                const __m512i x = _mm512_load_si512(qb + g * 64);
-                if (FMT == FMT_Q4) {
-                    w[g] = _mm512_and_si512(x, nib);
-                    w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(x, 4), nib);
-                } else {
-                    w[g] = x;
-                }
-            }
-            for (int t = 0; t < k; t++) {
-                const int8_t* a = A.q(t) + b * QK;
-                // two chains, so a single token is not bound by vpdpbusd's latency
-                __m512i s0 = _mm512_set1_epi32(A.corr(t, FMT)[b]), s1 = _mm512_setzero_si512();
-                for (int j = 0; j < 8; j += 2) {
-                    s0 = dpbusd_bcst(s0, w[j], a + 4 * j);
-                    s1 = dpbusd_bcst(s1, w[j + 1], a + 4 * j + 4);
-                }
-                const __m512 d = _mm512_mul_ps(dw, _mm512_set1_ps(A.d(t)[b]));
-                vacc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), d, vacc[t]);
-                if (through_memory(FMT, K)) asm volatile("" : "+m"(vacc[t]));
+        }
+        const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(dt + b * TILE)));
+        __m512i w[8];                                   // w[j] meets activation bytes 4j..4j+3
+        for (int g = 0; g < CH; g++) {
+            const __m512i x = _mm512_load_si512(qb + g * 64);
+            if (FMT == FMT_Q4) {
+                w[g] = _mm512_and_si512(x, nib);
+                w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(x, 4), nib);
+            } else {
+                w[g] = x;
             }
         }
-        for (int t = 0; t < k; t++) _mm512_store_ps(acc[t], vacc[t]);
-        store_tile(W, y, ldy, tile, k, acc);
+        for (int t = 0; t < G; t++) {
+            const int8_t* a = A.q(tok0 + t) + b * QK;
+            // two chains, so a single token is not bound by vpdpbusd's latency
+            __m512i s0 = _mm512_set1_epi32(A.corr(tok0 + t, FMT)[b]), s1 = _mm512_setzero_si512();
+            for (int j = 0; j < 8; j += 2) {
+                s0 = dpbusd_bcst(s0, w[j], a + 4 * j);
+                s1 = dpbusd_bcst(s1, w[j + 1], a + 4 * j + 4);
+            }
+            const __m512 d = _mm512_mul_ps(dw, _mm512_set1_ps(A.d(tok0 + t)[b]));
+            vacc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), d, vacc[t]);
+            if (through_memory(FMT, K)) asm volatile("" : "+m"(vacc[t]));
+        }
+    }
+    for (int t = 0; t < G; t++) _mm512_store_ps(acc[t], vacc[t]);
+}
+
+// More than 8 tokens take a tile in two groups, the second reading the tile's weights again
+// from cache. In one group, up to 16 accumulators beside a block's 8 weight registers crowd
+// the 32 registers: the compiler spilled them (K = 16 did not even unroll), and from L2, one
+// thread (Ice Lake), k = 12 and 16 ran at 0.43 and 0.38 of the vpdpbusd peak against 0.61
+// at k = 8; in two groups 0.52-0.55. k = 9 measured alike either way, 10 and 11 better split.
+template <int FMT, int K>
+static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1) {
+    constexpr int G1 = K <= 8 ? K : (K + 1) / 2, G2 = K - G1;
+    alignas(64) float acc[K][TILE];
+    for (int tile = t0; tile < t1; tile++) {
+        tile_pass<FMT, G1, K, true>(W, A, tile, 0, acc);
+        if constexpr (G2 > 0) tile_pass<FMT, G2, K, false>(W, A, tile, G1, acc + G1);
+        store_tile(W, y, ldy, tile, K, acc);
     }
 }
 
