@@ -167,10 +167,14 @@ namespace avx512 {
 // the 4- and 8-token ones 15% in the slow one (one process, variants interleaved).
 constexpr int PREFETCH = LAB_PREFETCH;
 constexpr int PREFETCH_L1_K = 4096, PREFETCH_L2_K = 16384;      // k >= 2
-// Which kernels take the single-token scheme: one token, and the 8-bit output layer at two,
-// still bound by the stream there (its share of a 2-token pass 5.86 -> 5.27 ms in the
-// fast-bus state with it, slow state unchanged).
-constexpr bool stream_bound(int fmt, int k) { return k == 1 || (fmt == FMT_Q8 && k == 2); }
+// Which kernels take the single-token scheme: one token, and two where the stream still
+// binds them. On a Zen 4 EPYC (31-56 GB/s for two cores) that was the 8-bit output layer
+// (its share of a 2-token pass 5.86 -> 5.27 ms in the fast-bus state, slow unchanged); the
+// 4-bit matrices got slower (down 5.09 -> 5.87 ms). On an Ice Lake Xeon (~23 GB/s) the 4-bit
+// ones at two tokens gained too (the 1.5B's 2-token pass 0.975-0.982x in three runs,
+// gate_up 20.1 -> 19.2 ms) and at four lost (1.02x); its 8-bit layer at two wanted it as
+// well (1.016x without). The vendor stands in for the memory system: the two machines measured.
+constexpr bool stream_bound(int fmt, int k, bool intel) { return k == 1 || (k == 2 && (fmt == FMT_Q8 || intel)); }
 
 // s + w . (the 4 activation bytes at a, in every lane), the bytes broadcast by the
 // instruction's own memory operand: no separate broadcast to issue per token and block.
@@ -193,12 +197,12 @@ constexpr bool through_memory(int fmt, int k) { return k == 2 || (fmt == FMT_Q8 
 
 // One tile's rows for the G tokens from `tok0` on, every block in order (a pass of K
 // tokens in all picks the prefetch scheme; only the first group of a tile prefetches).
-template <int FMT, int G, int K, bool PREFETCH_AHEAD>
+template <int FMT, int G, int K, bool SINGLE, bool PREFETCH_AHEAD>
 static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int tok0, float (*acc)[TILE]) {
     const int nb = W.cols / QK;
     constexpr int CH = FMT == FMT_Q4 ? 4 : 8;
     const __m512i nib = _mm512_set1_epi8(0x0f);
-    constexpr bool single = stream_bound(FMT, K);
+    constexpr bool single = SINGLE;
     const int64_t ahead = (single ? PREFETCH : PREFETCH_L1_K) * CH / 4, ahead_l2 = PREFETCH_L2_K * CH / 4;
     const uint16_t* dt = W.d + (int64_t)tile * nb * TILE;
     const uint8_t* qt = W.q + (int64_t)tile * nb * CH * 64;
@@ -244,26 +248,28 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
 // the 32 registers: the compiler spilled them (K = 16 did not even unroll), and from L2, one
 // thread (Ice Lake), k = 12 and 16 ran at 0.43 and 0.38 of the vpdpbusd peak against 0.61
 // at k = 8; in two groups 0.52-0.55. k = 9 measured alike either way, 10 and 11 better split.
-template <int FMT, int K>
+template <int FMT, int K, bool SINGLE>
 static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1) {
     constexpr int G1 = K <= 8 ? K : (K + 1) / 2, G2 = K - G1;
     alignas(64) float acc[K][TILE];
     for (int tile = t0; tile < t1; tile++) {
-        tile_pass<FMT, G1, K, true>(W, A, tile, 0, acc);
-        if constexpr (G2 > 0) tile_pass<FMT, G2, K, false>(W, A, tile, G1, acc + G1);
+        tile_pass<FMT, G1, K, SINGLE, true>(W, A, tile, 0, acc);
+        if constexpr (G2 > 0) tile_pass<FMT, G2, K, SINGLE, false>(W, A, tile, G1, acc + G1);
         store_tile(W, y, ldy, tile, K, acc);
     }
 }
 
-template <int FMT, int... I>
+template <int FMT, bool INTEL, int... I>
 constexpr std::array<TilesFn, sizeof...(I)> by_k(std::integer_sequence<int, I...>) {
-    return {tiles_k<FMT, I + 1>...};
+    return {tiles_k<FMT, I + 1, stream_bound(FMT, I + 1, INTEL)>...};
 }
 
 template <int FMT>
 static void tiles(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1) {
-    static constexpr auto table = by_k<FMT>(std::make_integer_sequence<int, MAX_K>{});
-    table[A.k() - 1](W, A, y, ldy, t0, t1);
+    static constexpr auto amd = by_k<FMT, false>(std::make_integer_sequence<int, MAX_K>{});
+    static constexpr auto intel = by_k<FMT, true>(std::make_integer_sequence<int, MAX_K>{});
+    static const bool is_intel = std::strcmp(cpu_info().vendor, "GenuineIntel") == 0;
+    (is_intel ? intel : amd)[A.k() - 1](W, A, y, ldy, t0, t1);
 }
 
 }  // namespace avx512
