@@ -50,7 +50,7 @@ struct Queries {
     float* orow(int r) const { return out + (size_t)(r / group) * out_stride + (size_t)(r % group) * D; }
 };
 
-// scores: [rows][last()] floats of scratch; row: 8 x D floats, 32-byte aligned.
+// scores: [rows][last()] floats of scratch; row: 8 x D floats, 64-byte aligned.
 using AttendFn = void (*)(const Queries& a, const uint16_t* K, const uint16_t* V, float scale, float* scores,
                           float* row);
 
@@ -98,83 +98,10 @@ static inline __m256 sum8(const __m256* a) {
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
-// out_g[i0, i0 + 8L) += sum over positions [t0, t1) of scores_g[t] V[t][i0, i0 + 8L) for G
-// rows (score rows `stride` apart): the accumulators stay in registers across the positions,
-// so the sum costs a fused multiply-add per 8 values. The first block (t0 == 0) starts from 0.
-template <int G, int L>
-static inline void values_slice(const float* scores, size_t stride, int t0, int t1, const uint16_t* V, int D,
-                                int i0, float* const* out) {
-    __m256 acc[G][L];
-    for (int g = 0; g < G; g++)
-        for (int l = 0; l < L; l++) acc[g][l] = t0 ? _mm256_loadu_ps(out[g] + i0 + 8 * l) : _mm256_setzero_ps();
-    for (int t = t0; t < t1; t++) {
-        __m256 v[L];
-        for (int l = 0; l < L; l++)
-            v[l] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(V + (size_t)t * D + i0 + 8 * l)));
-        for (int g = 0; g < G; g++) {
-            const __m256 p = _mm256_broadcast_ss(scores + g * stride + t);
-            for (int l = 0; l < L; l++) acc[g][l] = _mm256_fmadd_ps(p, v[l], acc[g][l]);
-        }
-    }
-    for (int g = 0; g < G; g++)
-        for (int l = 0; l < L; l++) _mm256_storeu_ps(out[g] + i0 + 8 * l, acc[g][l]);
-}
-
-// G rows' weighted sums of values [t0, t1), D in slices of 8L values (then 16, then 8).
-template <int G>
-static void values(const float* scores, size_t stride, int t0, int t1, const uint16_t* V, int D,
-                   float* const* out) {
-    constexpr int L = G >= 3 ? 2 : 4;    // 6-8 accumulators: both FMA pipes busy through the latency
-    int i = 0;
-    for (; i + 8 * L <= D; i += 8 * L) values_slice<G, L>(scores, stride, t0, t1, V, D, i, out);
-    for (; i + 16 <= D; i += 16) values_slice<G, 2>(scores, stride, t0, t1, V, D, i, out);
-    if (i < D) values_slice<G, 1>(scores, stride, t0, t1, V, D, i, out);
-}
-
-// Positions whose values (64 x D fp16: 16 KB at D = 128) stay in L1 while every row and
-// every slice of D passes over them, so V streams from memory once.
-constexpr int VALUE_BLOCK = 64;
-
-// D is a multiple of 8 (checked at load). Scores go eight positions at a time: the K rows
-// are converted once into `row` (8 x D floats) and serve every query row. Every row then
-// gets exactly the numbers it would alone: a row's softmax runs over the positions it sees
-// (with the single-token chunking), and the positions past them weigh exactly 0 in the sums.
-void attend_avx2(const Queries& a, const uint16_t* K, const uint16_t* V, float scale, float* scores, float* row) {
-    const int D = a.D, n = a.last(), R = a.rows();
-    const size_t stride = (size_t)n;
-    const __m256 vscale = _mm256_set1_ps(scale);
-    for (int t0 = 0; t0 < n; t0 += 8) {
-        const int m = n - t0 < 8 ? n - t0 : 8;
-        // the cache streams from memory: K two batches ahead into L1, this batch's V into L2
-        for (int b = 0; b < 8 * D * 2; b += 64) {
-            if (t0 + 16 < n) _mm_prefetch((const char*)(K + (size_t)(t0 + 16) * D) + b, _MM_HINT_T0);
-            if (b < m * D * 2) _mm_prefetch((const char*)(V + (size_t)t0 * D) + b, _MM_HINT_T1);
-        }
-        for (int p = 0; p < 8; p++)
-            for (int i = 0; i < D; i += 8)
-                _mm256_store_ps(row + p * D + i, p < m ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(K + (size_t)(t0 + p) * D + i)))
-                                                       : _mm256_setzero_ps());
-        int r = 0;
-        for (int j = 0; j < a.tokens; j++)
-            for (int g = 0; g < a.group; g++, r++) {
-                const float* q = a.q + (size_t)j * a.q_stride + (size_t)g * D;
-                __m256 acc[8];
-                for (int p = 0; p < 8; p++) acc[p] = _mm256_setzero_ps();
-                for (int i = 0; i < D; i += 8) {
-                    const __m256 qv = _mm256_loadu_ps(q + i);
-                    for (int p = 0; p < 8; p++) acc[p] = _mm256_fmadd_ps(qv, _mm256_load_ps(row + p * D + i), acc[p]);
-                }
-                const __m256 sc = _mm256_mul_ps(sum8(acc), vscale);
-                if (m == 8) {
-                    _mm256_storeu_ps(scores + r * stride + t0, sc);
-                } else {
-                    alignas(32) float part[8];
-                    _mm256_store_ps(part, sc);
-                    std::memcpy(scores + r * stride + t0, part, m * sizeof(float));
-                }
-            }
-    }
-    for (int r = 0; r < R; r++) {
+// A row's softmax over the positions it sees, in place; the positions past them weigh
+// exactly 0. The same for every width of the attention below.
+static void softmax_rows(const Queries& a, float* scores, size_t stride, int n) {
+    for (int r = 0; r < a.rows(); r++) {
         float* s = scores + r * stride;
         const int nr = a.seen(r);
         const float mx = max_avx2(s, nr);
@@ -194,23 +121,54 @@ void attend_avx2(const Queries& a, const uint16_t* K, const uint16_t* V, float s
         for (; t < nr; t++) s[t] *= inv;
         for (t = nr; t < n; t++) s[t] = 0.f;
     }
-    for (int t0 = 0; t0 < n; t0 += VALUE_BLOCK) {
-        const int t1 = n - t0 < VALUE_BLOCK ? n : t0 + VALUE_BLOCK;
-        for (int r0 = 0; r0 < R; r0 += 4) {
-            const float* s = scores + r0 * stride;
-            float* out[4];
-            const int g = R - r0 < 4 ? R - r0 : 4;
-            for (int j = 0; j < g; j++) out[j] = a.orow(r0 + j);
-            switch (g) {
-                case 4: values<4>(s, stride, t0, t1, V, D, out); break;
-                case 3: values<3>(s, stride, t0, t1, V, D, out); break;
-                case 2: values<2>(s, stride, t0, t1, V, D, out); break;
-                default: values<1>(s, stride, t0, t1, V, D, out); break;
-            }
-        }
-    }
 }
 
+// Positions whose values (64 x D fp16: 16 KB at D = 128) stay in L1 while every row and
+// every slice of D passes over them, so V streams from memory once.
+constexpr int VALUE_BLOCK = 64;
+
+namespace att256 {
+struct Vec {
+    using F = __m256;
+    static constexpr int W = 8;
+    static F zero() { return _mm256_setzero_ps(); }
+    static F load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+    static F half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+    static F bcast(const float* p) { return _mm256_broadcast_ss(p); }
+    static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+    static __m256 sum8(const F* a) { return lab::sum8(a); }
+};
+#include "attend.inc"
+}  // namespace att256
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f")
+namespace att512 {
+struct Vec {
+    using F = __m512;
+    static constexpr int W = 16;
+    static F zero() { return _mm512_setzero_ps(); }
+    static F load(const float* p) { return _mm512_loadu_ps(p); }
+    static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+    static F half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+    static F bcast(const float* p) { return _mm512_set1_ps(*p); }
+    static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+    // each accumulator's two halves added first, then the eight as at 256 bits
+    static __m256 sum8(const F* a) {
+        __m256 h[8];
+        for (int p = 0; p < 8; p++)
+            h[p] = _mm256_add_ps(_mm512_castps512_ps256(a[p]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[p]), 1)));
+        return lab::sum8(h);
+    }
+};
+#include "attend.inc"
+}  // namespace att512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
 // SiLU(gate) * up over n values, with the same exp.
 void swiglu_avx2(const float* gate, const float* up, float* out, int n) {
     int i = 0;
@@ -523,7 +481,14 @@ void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int pat
     const int D = h.head_dim, KV = h.num_kv_heads, group = h.num_heads / KV;
     const float scale = (float)std::pow((double)D, -0.5);
     const size_t per_thread = (size_t)att_rows * max_ctx + 8 * D + 16;
-    const AttendFn attend = path == PATH_SCALAR ? attend_scalar : attend_avx2;
+    // 512 bits on the AVX-512 path: on an Ice Lake Xeon (1.5B, in-process A/B) attention
+    // took 0.76-0.87x the time at context 256 and 2048 and a 4-token pass at 2048 0.845x; but
+    // any 512-bit float math in attention made the next matmuls ~3% slower there (the core's
+    // clock, presumably), so a 1-token pass at 256 took 1.02x and at 2048 1.00x. The width is
+    // fixed per path: a k-token pass must equal k single-token passes bit for bit.
+    const AttendFn attend = path == PATH_SCALAR                       ? attend_scalar
+                          : path == PATH_AVX512VNNI && D % 16 == 0 ? att512::attend
+                                                                  : att256::attend;
     // A task: one KV head and up to `per` tokens, whose query heads all share each K and V
     // row it reads (a verification pass reads the cache once, not once per token) -- as long
     // as every thread still gets a task.
@@ -533,7 +498,7 @@ void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int pat
     const int chunks = (k + per - 1) / per;
     for_range(pool, KV * chunks, 1, [&](int b, int e, int tid) {
         float* scores = scratch.data() + (size_t)tid * per_thread;
-        float* row = (float*)(((uintptr_t)(scores + (size_t)att_rows * max_ctx) + 31) & ~(uintptr_t)31);
+        float* row = (float*)(((uintptr_t)(scores + (size_t)att_rows * max_ctx) + 63) & ~(uintptr_t)63);
         for (int task = b; task < e; task++) {
             const int kvh = task / chunks, j0 = task % chunks * per;
             const size_t base = (((size_t)layer * KV + kvh) * max_ctx) * D;

@@ -15,6 +15,8 @@ from lab.models import TINY, tiny_weights
 from lab.models import export as ex
 from lab.models.twin import Twin
 
+from .conftest import simd_paths
+
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
 
@@ -45,12 +47,13 @@ def prompts(c, n=6, seed=0):
 # Against the reference and the twin
 # ----------------------------------------------------------------------------
 
+@pytest.mark.parametrize("path", ["scalar"] + simd_paths())
 @pytest.mark.parametrize("name", ["tiny-qwen3", "tiny-qwen2", "tiny-llama"])
-def test_f32_engine_follows_the_reference(files, pool, name):
+def test_f32_engine_follows_the_reference(files, pool, name, path):
     """Every layer within float32 rounding of the reference (with the engine's fp16 KV
-    cache), and identical greedy tokens."""
+    cache), and identical greedy tokens, on every path (attention at 256 and 512 bits)."""
     c = TINY[name]
-    e = Engine(files[name]["f32"], pool=pool, max_context=256)
+    e = Engine(files[name]["f32"], pool=pool, max_context=256, path=path)
     ref = Twin(c, tiny_weights(c, seed=1), "f32", max_context=256)     # f32 weights, fp16 KV
     for p in prompts(c, 3):
         logits, hidden = e.forward(p, 0, hidden=True)
@@ -85,12 +88,13 @@ def test_quantized_engine_tracks_the_twin(files, pool, scheme):
 # Exactness
 # ----------------------------------------------------------------------------
 
+@pytest.mark.parametrize("path", simd_paths())
 @pytest.mark.parametrize("scheme", ["f32", "q8", "q4-q8out"])
-def test_k_token_pass_equals_single_passes(files, scheme):
+def test_k_token_pass_equals_single_passes(files, scheme, path):
     c = TINY["tiny-qwen3"]
     toks = prompts(c, 1, seed=5)[0] + list(range(40))
     for threads in sorted({1, min(2, len(__import__("os").sched_getaffinity(0)))}):
-        e = Engine(files["tiny-qwen3"][scheme], threads=threads, max_context=256)
+        e = Engine(files["tiny-qwen3"][scheme], threads=threads, max_context=256, path=path)
         e.forward(toks[:8], 0, logits="none")
         singles = np.stack([e.forward([t], 8 + j, logits="last") for j, t in enumerate(toks[8:24])])
         for k in range(1, 17):
