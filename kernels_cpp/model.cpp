@@ -482,7 +482,7 @@ void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int pat
     const float scale = (float)std::pow((double)D, -0.5);
     const size_t per_thread = (size_t)att_rows * max_ctx + 8 * D + 16;
     // 512 bits on the AVX-512 path: on an Ice Lake Xeon (1.5B, in-process A/B) attention
-    // took 0.76-0.87x the time at context 256 and 2048 and a 4-token pass at 2048 0.845x; but
+    // took 0.75-0.87x the time at context 256 and 2048 and a 4-token pass at 2048 0.85x; but
     // any 512-bit float math in attention made the next matmuls ~3% slower there (the core's
     // clock, presumably), so a 1-token pass at 256 took 1.02x and at 2048 1.00x. The width is
     // fixed per path: a k-token pass must equal k single-token passes bit for bit.
