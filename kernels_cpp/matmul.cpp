@@ -195,15 +195,15 @@ static inline __m512i dpbusd_bcst(__m512i s, __m512i w, const int8_t* a) {
 // Measured, not understood.
 constexpr bool through_memory(int fmt, int k) { return k == 2 || (fmt == FMT_Q8 && k == 4); }
 
-// One tile's rows for the G tokens from `tok0` on, every block in order (a pass of K
-// tokens in all picks the prefetch scheme; only the first group of a tile prefetches).
+// One tile's rows for the G tokens from `tok0` on, every block in order, in a pass of K
+// tokens in all. SINGLE: the single-token prefetch scheme; only the first group of a tile
+// asks for the stream ahead (PREFETCH_AHEAD).
 template <int FMT, int G, int K, bool SINGLE, bool PREFETCH_AHEAD>
 static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int tok0, float (*acc)[TILE]) {
     const int nb = W.cols / QK;
     constexpr int CH = FMT == FMT_Q4 ? 4 : 8;
     const __m512i nib = _mm512_set1_epi8(0x0f);
-    constexpr bool single = SINGLE;
-    const int64_t ahead = (single ? PREFETCH : PREFETCH_L1_K) * CH / 4, ahead_l2 = PREFETCH_L2_K * CH / 4;
+    const int64_t ahead = (SINGLE ? PREFETCH : PREFETCH_L1_K) * CH / 4, ahead_l2 = PREFETCH_L2_K * CH / 4;
     const uint16_t* dt = W.d + (int64_t)tile * nb * TILE;
     const uint8_t* qt = W.q + (int64_t)tile * nb * CH * 64;
     __m512 vacc[G];
@@ -213,7 +213,7 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
         // the weights stream from memory once: ask for them well before they are needed
         if (PREFETCH_AHEAD) {
             for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + ahead + g * 64), _MM_HINT_T0);
-            if (!single)
+            if (!SINGLE)
                 for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + ahead_l2 + g * 64), _MM_HINT_T2);
         }
         const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(dt + b * TILE)));
