@@ -1,5 +1,6 @@
 // generate.cpp — the round loop: plain decoding, speculative decoding with a draft model,
-// and prompt-lookup drafting, all in C++ so no Python lands in a timing.
+// prompt-lookup drafting, and the automatic policy that picks between them each round,
+// all in C++ so no Python lands in a timing.
 //
 // Invariant at the start of every round: the target's KV cache holds every token but the
 // last (`pending`); the draft's holds a prefix of them.
@@ -13,30 +14,51 @@
 
 namespace lab {
 
-namespace {
-
-float top_probability(const float* logits, int n) {
-    const float mx = logits[argmax(logits, n)];
-    double z = 0;
-    for (int i = 0; i < n; i++) z += std::exp((double)logits[i] - mx);
-    return (float)(1.0 / z);
-}
-
-// Prompt lookup: the tokens that followed the latest earlier occurrence of the context's
-// last n tokens (longest n first), up to gamma of them.
-int lookup(const std::vector<int32_t>& ctx, int ngram_max, int gamma, int32_t* out) {
-    const int len = (int)ctx.size();
+int lookup_ngram(const int32_t* ctx, int len, int ngram_max, int gamma, int32_t* out, int* matched) {
+    *matched = 0;
     for (int n = std::min(ngram_max, len - 1); n >= 1; n--) {
-        const int32_t* suffix = ctx.data() + len - n;
+        const int32_t* suffix = ctx + len - n;
         for (int s = len - n - 1; s >= 0; s--) {
-            if (!std::equal(suffix, suffix + n, ctx.data() + s)) continue;
+            if (!std::equal(suffix, suffix + n, ctx + s)) continue;
             const int g = std::min(gamma, len - (s + n));
-            std::copy(ctx.data() + s + n, ctx.data() + s + n + g, out);
+            std::copy(ctx + s + n, ctx + s + n + g, out);
+            *matched = n;
             return g;
         }
     }
     return 0;
 }
+
+RoundPlan::RoundPlan(const Policy& p, int context, float rate_) : o(p.o), rate(rate_) {
+    // costs at this context: linear between the two measured contexts around it
+    int i = 0, j = 0;
+    float w = 0.f;
+    while (j + 1 < p.n_ctx && p.ctx[j] < context) j++;
+    i = j > 0 ? j - 1 : 0;
+    if (j != i) w = std::clamp((float)(context - p.ctx[i]) / (float)(p.ctx[j] - p.ctx[i]), 0.f, 1.f);
+    for (int k = 0; k < VK; k++) v[k] = (1 - w) * p.v[i * VK + k] + w * p.v[j * VK + k];
+    c = (1 - w) * p.c[i] + w * p.c[j];
+    cost = v[1] + o;
+}
+
+void RoundPlan::take(float a, bool draft_step) {
+    cost += extra_cost(draft_step);
+    reach *= a;
+    tokens += reach;
+    g++;
+}
+
+namespace {
+
+int conf_bin(float p) { return std::clamp((int)(p * CAL_BINS), 0, CAL_BINS - 1); }
+
+// A running tokens-per-target-step, started from a prior worth a few rounds.
+struct Rate {
+    double tokens, cost;
+    explicit Rate(float prior) : tokens(8.0 * prior), cost(8.0) {}
+    void add(double t, double c) { tokens += t; cost += c; }
+    float value() const { return (float)(tokens / cost); }
+};
 
 struct Timer {
     double& acc;
@@ -63,59 +85,127 @@ int Generator::emit(int32_t tok, int32_t* out, const GenParams& gp) {
 }
 
 int Generator::run(const int32_t* prompt, int n_prompt, const GenParams& gp, int32_t* out,
-                   int32_t* drafted, int32_t* accepted, int max_rounds) {
+                   int32_t* drafted, int32_t* accepted, int32_t* kinds, int max_rounds) {
     stats_ = GenStats{};
     produced_ = 0;
-    const bool spec = gp.mode != GEN_PLAIN;
+    const bool spec = gp.mode != GEN_PLAIN, autop = gp.mode == GEN_AUTO;
+    const bool use_draft = gp.mode == GEN_DRAFT || (autop && draft_);
+    const Policy* pol = gp.policy;
+    const int max_g = autop ? (pol ? pol->max_gamma : 0) : gp.gamma;
     if (n_prompt < 1) return E_EMPTY;
-    if (spec && (gp.gamma < 1 || gp.gamma > MAX_K)) return E_GAMMA;
-    if (gp.mode == GEN_DRAFT && (!draft_ || draft_->vocab() != target_->vocab())) return E_VOCAB;
-    const int need = n_prompt + gp.max_new_tokens + (spec ? gp.gamma : 0);
-    if (need > target_->max_context() || (gp.mode == GEN_DRAFT && need > draft_->max_context())) return E_CONTEXT;
+    if (autop && (!pol || pol->n_ctx < 1 || pol->n_ctx > COST_CONTEXTS)) return E_POLICY;
+    if (spec && (max_g < 1 || max_g > MAX_K)) return E_GAMMA;
+    if (gp.mode == GEN_DRAFT && !draft_) return E_VOCAB;
+    if (use_draft && draft_->vocab() != target_->vocab()) return E_VOCAB;
+    const int need = n_prompt + gp.max_new_tokens + (spec ? max_g : 0);
+    if (need > target_->max_context() || (use_draft && need > draft_->max_context())) return E_CONTEXT;
     if (gp.max_new_tokens < 1) return E_OK;
     const int V = target_->vocab();
-    const bool greedy = gp.sample.temperature <= 0.f;
+    const bool greedy = gp.sample.temperature <= 0.f, need_conf = autop || gp.threshold > 0.f;
     const double t_start = now();
     PinScope pin(pool_);
     Rng rng(gp.seed);
     std::vector<int32_t> ctx(prompt, prompt + n_prompt);
-    std::vector<float> tl((size_t)(MAX_K + 1) * V), dl(V), p(V), q(greedy ? 0 : (size_t)MAX_K * V);
+    // A trimmed draft scores its kept tokens and the prompt's own: DV logits, token dids[j].
+    if (use_draft) draft_->set_extra_rows(prompt, n_prompt);
+    const int DV = use_draft ? draft_->out_rows() : 0;
+    const int32_t* dids = use_draft ? draft_->out_ids() : nullptr;
+    std::vector<float> tl((size_t)(MAX_K + 1) * V), dl(DV), scratch(std::max(DV, 1)), p(V);
+    std::vector<float> q(greedy || !use_draft ? 0 : (size_t)MAX_K * V), qc(dids && !greedy ? DV : 0);
     int tpos = n_prompt - 1, dpos = 0, rc = E_OK;
 
     stats_.prompt_tokens = n_prompt;
     if (tpos > 0) {                              // the prompt pass: target, and draft alike
         Timer t(stats_.t_prompt);
         if ((rc = target_->forward(prompt, tpos, 0, nullptr, LOGITS_NONE, nullptr, pool_, path_))) return rc;
-        if (gp.mode == GEN_DRAFT) {
+        if (use_draft) {
             if ((rc = draft_->forward(prompt, tpos, 0, nullptr, LOGITS_NONE, nullptr, pool_, path_))) return rc;
             dpos = tpos;
         }
     }
-    int32_t guess[MAX_K];
+    // The automatic policy's running estimates: tokens per target step overall and in draft
+    // rounds, and how often a first draft guess is accepted.
+    Rate rate(pol && use_draft ? pol->draft_rate : 1.f), draft_rate(pol ? pol->draft_rate : 1.f);
+    double first_hits = 4.0 * (pol ? pol->draft_p[CAL_BINS / 2] : 0.f), first_tries = 4.0;
+
+    // One draft guess from dl: the token, its warped distribution in q (sampling), and the
+    // draft's confidence (its top probability, warped when sampling).
+    auto pick = [&](int g, float* conf) -> int32_t {
+        if (greedy) {
+            const int j = argmax(dl.data(), DV);
+            *conf = need_conf ? top_probability(dl.data(), DV, scratch.data()) : 1.f;
+            return dids ? dids[j] : j;
+        }
+        float* qg = &q[(size_t)g * V];
+        float* w = dids ? qc.data() : qg;
+        warp(dl.data(), DV, gp.sample, w);
+        const int j = sample(w, DV, rng);
+        *conf = *std::max_element(w, w + DV);
+        if (dids)
+            for (int i = 0; i < DV; i++) qg[dids[i]] = w[i];     // q is 0 off the trimmed set
+        return dids ? dids[j] : j;
+    };
+
+    int32_t guess[MAX_K], lguess[MAX_K];
     bool stop = false;
     while (!stop) {
-        // -- draft ------------------------------------------------------------------------
-        int g = 0;
-        if (gp.mode == GEN_DRAFT) {
+        int g = 0, kind = ROUND_PLAIN;
+        RoundPlan plan = pol ? RoundPlan(*pol, (int)ctx.size(), rate.value()) : RoundPlan(Policy{}, 0, 1.f);
+        // -- choose: in the automatic policy, lookup when its planned round pays better than
+        // the draft's rounds have; the draft when its first guess is worth a step ----------
+        bool draft_now = gp.mode == GEN_DRAFT, lookup_now = gp.mode == GEN_LOOKUP;
+        if (autop) {
             Timer t(stats_.t_draft);
-            const int n = (int)ctx.size() - dpos;      // catch up, the pending token included
-            if ((rc = draft_->forward(ctx.data() + dpos, n, dpos, dl.data(), LOGITS_LAST, nullptr, pool_, path_))) return rc;
-            dpos = (int)ctx.size();
-            for (; g < gp.gamma; g++) {
-                if (g > 0 && gp.threshold > 0.f && top_probability(dl.data(), V) < gp.threshold) break;
-                if (greedy) {
-                    guess[g] = argmax(dl.data(), V);
-                } else {
-                    warp(dl.data(), V, gp.sample, &q[(size_t)g * V]);
-                    guess[g] = sample(&q[(size_t)g * V], V, rng);
-                }
-                if (g + 1 < gp.gamma) {
-                    if ((rc = draft_->forward(&guess[g], 1, dpos + g, dl.data(), LOGITS_LAST, nullptr, pool_, path_))) return rc;
-                }
+            int matched = 0;
+            const int gl = lookup_ngram(ctx.data(), (int)ctx.size(), gp.ngram_max, max_g, lguess, &matched);
+            RoundPlan lp = plan;
+            for (int i = 0; i < gl; i++) {
+                const float a = i ? pol->lookup_next : pol->lookup_first[std::min(matched, NGRAM_MAX)];
+                if (!lp.worth(a, false)) break;
+                lp.take(a, false);
             }
-        } else if (gp.mode == GEN_LOOKUP) {
+            const float a1 = (float)(first_hits / first_tries);
+            draft_now = use_draft && plan.worth(a1, true) &&
+                        (lp.g == 0 || lp.efficiency() < draft_rate.value());
+            if (!draft_now && lp.g > 0) {
+                g = lp.g;
+                std::copy(lguess, lguess + g, guess);
+                plan = lp;
+                kind = ROUND_LOOKUP;
+            }
+        }
+        // -- draft ------------------------------------------------------------------------
+        if (draft_now) {
             Timer t(stats_.t_draft);
-            g = lookup(ctx, gp.ngram_max, gp.gamma, guess);
+            kind = ROUND_DRAFT;
+            int n_in = (int)ctx.size() - dpos;         // catch up, the pending token included
+            const int32_t* in = ctx.data() + dpos;
+            float a = 0.f;
+            for (; g < max_g; g++) {
+                if (g > 0) {                           // one more draft step: worth it?
+                    if (autop && !plan.worth(a, true)) break;
+                    in = &guess[g - 1];
+                    n_in = 1;
+                }
+                const int at = g == 0 ? dpos : dpos + g - 1;   // dpos moved past the catch-up
+                if ((rc = draft_->forward(in, n_in, at, dl.data(), LOGITS_LAST, nullptr, pool_, path_)))
+                    return rc;
+                if (g == 0) dpos = (int)ctx.size();
+                float conf;
+                const int32_t tok = pick(g, &conf);
+                if (g > 0 && gp.threshold > 0.f && conf < gp.threshold) break;
+                if (autop) {
+                    a = pol->draft_p[conf_bin(conf)];
+                    if (g > 0 && !plan.worth(a, false)) break;   // its step is paid; is its verification?
+                    plan.take(a, true);
+                }
+                guess[g] = tok;
+            }
+        } else if (lookup_now) {
+            Timer t(stats_.t_draft);
+            int matched = 0;
+            g = lookup_ngram(ctx.data(), (int)ctx.size(), gp.ngram_max, gp.gamma, guess, &matched);
+            kind = g ? ROUND_LOOKUP : ROUND_PLAIN;
         }
         // -- verify: the pending token and the guesses in one pass -------------------------
         {
@@ -140,7 +230,7 @@ int Generator::run(const int32_t* prompt, int n_prompt, const GenParams& gp, int
                 ok = tok == guess[i];
             } else {
                 warp(li, V, gp.sample, p.data());
-                if (gp.mode == GEN_DRAFT) {
+                if (kind == ROUND_DRAFT) {
                     tok = accept_or_resample(p.data(), &q[(size_t)i * V], V, guess[i], rng, &ok);
                 } else {                           // a lookup guess is a point mass: accept with p(x)
                     ok = rng.uniform() < p[guess[i]];
@@ -161,12 +251,26 @@ int Generator::run(const int32_t* prompt, int n_prompt, const GenParams& gp, int
             ctx.push_back(tok);
             stop = emit(tok, out, gp);
         }
+        if (kind == ROUND_DRAFT && dids && !greedy)      // back to zero off the set for the next round
+            for (int i = 0; i < g; i++)
+                for (int j = 0; j < DV; j++) q[(size_t)i * V + dids[j]] = 0.f;
         // the target keeps pending + accepted guesses; the draft what it saw of them
         tpos += 1 + n_acc;
-        if (gp.mode == GEN_DRAFT) dpos = (int)before + std::min(n_acc, g - 1);
+        if (kind == ROUND_DRAFT) dpos = (int)before + std::min(n_acc, g - 1);
+        if (autop) {
+            const double made = (double)(ctx.size() - before);
+            const double cost = (kind == ROUND_DRAFT ? g * plan.c : 0.0) + plan.v[g + 1] + plan.o;
+            rate.add(made, cost);
+            if (kind == ROUND_DRAFT) {
+                draft_rate.add(made, cost);
+                first_hits += n_acc > 0;
+                first_tries += 1;
+            }
+        }
         if (stats_.rounds < max_rounds && drafted) {
             drafted[stats_.rounds] = g;
             accepted[stats_.rounds] = n_acc;
+            if (kinds) kinds[stats_.rounds] = kind;
         }
         stats_.rounds++;
         stats_.drafted += g;

@@ -81,7 +81,8 @@ constexpr int64_t GUIDED_FROM_BYTES = 4 << 20;
 // Block formats (split layout: scales region, then bytes region)
 // ----------------------------------------------------------------------------
 
-enum Format : int { FMT_F32 = 0, FMT_Q8 = 1, FMT_Q4 = 2 };
+// FMT_I32 only in the weights file: token ids (a trimmed draft's output rows).
+enum Format : int { FMT_F32 = 0, FMT_Q8 = 1, FMT_Q4 = 2, FMT_I32 = 3 };
 
 enum QuantStatus : int { Q_OK = 0, Q_NONFINITE = 1, Q_SCALE_OVERFLOW = 2, Q_BAD_SHAPE = 3 };
 
@@ -126,6 +127,9 @@ public:
     Packed(const Packed&) = delete;
     Packed& operator=(const Packed&) = delete;
     int pack(const QMat& W);                 // MM_OK or MM_BAD_FORMAT / MM_SHAPE
+    // Copies rows[0..n) of an already-packed matrix into tiles of their own (MM_SHAPE when
+    // a row is out of range): a draft's output rows gathered per request.
+    int gather(const PackedMat& src, const int32_t* rows, int n);
     PackedMat view() const { return m_; }
     int64_t nbytes() const;
 private:
@@ -260,7 +264,7 @@ private:
 
 enum EngineStatus : int {
     E_OK = 0, E_CONTEXT = 1, E_TOKEN = 2, E_EMPTY = 3, E_GAMMA = 4, E_VOCAB = 5, E_NOT_LOADED = 6,
-    E_MISSING = 7, E_PATH = 8, E_NONFINITE = 9
+    E_MISSING = 7, E_PATH = 8, E_NONFINITE = 9, E_POLICY = 10
 };
 
 enum LogitsMode : int { LOGITS_NONE = 0, LOGITS_LAST = 1, LOGITS_ALL = 2 };
@@ -284,7 +288,16 @@ public:
     const char* error() const;
     const FileHeader& config() const;
     int max_context() const;
-    int vocab() const;                               // logits per position: the tokenizer's size
+    int vocab() const;                               // the tokenizer's size
+    // Logits per position: vocab(), or for a trimmed draft (a file with output_ids) its N
+    // kept tokens and then the request's extra ones; out_ids() says which token each row
+    // is (nullptr: the whole vocabulary in order).
+    int out_rows() const;
+    const int32_t* out_ids() const;
+    // A trimmed draft: rows of the full output layer for those of ids[0..n) it lacks (the
+    // prompt's names and numbers), replacing the last request's. Returns how many it added,
+    // or -1 when the full output layer is not quantized. Other models: 0.
+    int set_extra_rows(const int32_t* ids, int n);
     int64_t weight_bytes() const;                    // bytes one forward pass reads
     // Runs tokens[0..k) at positions pos..pos+k-1 (in chunks of up to 16), leaving them in
     // the KV cache. logits: [k][vocab] (LOGITS_ALL) or [vocab] (LOGITS_LAST); hidden, if
@@ -314,6 +327,10 @@ struct SampleParams {
 // The first index holding the largest of x[0..n): every greedy pick.
 int argmax(const float* x, int n);
 
+// The largest probability of softmax(logits[n]) (scratch: n floats): a greedy draft's
+// confidence in its guess.
+float top_probability(const float* logits, int n, float* scratch);
+
 // Warps logits[n] into probabilities (temperature, top-k, top-p); greedy puts all mass on
 // the argmax. The distribution every sample and every acceptance test uses.
 void warp(const float* logits, int n, const SampleParams& sp, float* probs);
@@ -335,10 +352,54 @@ int accept_or_resample(const float* p, const float* q, int n, int x, Rng& rng, b
 // For tests: `draws` times, x ~ q then accept_or_resample; out[i] is the token that results.
 void accept_trials(const float* p, const float* q, int n, int draws, uint64_t seed, int32_t* out);
 
-enum GenMode : int { GEN_PLAIN = 0, GEN_DRAFT = 1, GEN_LOOKUP = 2 };
+// GEN_AUTO: each round chooses prompt lookup, the draft model or a plain step, and how
+// many guesses, from the Policy.
+enum GenMode : int { GEN_PLAIN = 0, GEN_DRAFT = 1, GEN_LOOKUP = 2, GEN_AUTO = 3 };
+
+// Prompt lookup: the tokens that followed the latest earlier occurrence of the context's
+// last n tokens (the longest n <= ngram_max that occurs), up to gamma of them; *matched = n.
+int lookup_ngram(const int32_t* ctx, int len, int ngram_max, int gamma, int32_t* out, int* matched);
+
+// The automatic policy's inputs (lab/policy.py fills them): this machine's costs, in target
+// steps, at the contexts they were measured at, and how likely a guess is to be accepted
+// (calibrated offline on training prompts).
+constexpr int CAL_BINS = 20;         // the draft's top probability, in 20 equal bins
+constexpr int NGRAM_MAX = 8;
+constexpr int COST_CONTEXTS = 4;
+constexpr int VK = MAX_K + 2;        // v[k] for k = 0..MAX_K + 1 (v[0] unused)
+
+struct Policy {
+    int max_gamma = 8;               // guesses a round makes at most (verifies max_gamma + 1)
+    int n_ctx = 0;                   // contexts with costs, ascending, at most COST_CONTEXTS
+    int ctx[COST_CONTEXTS] = {};
+    float c[COST_CONTEXTS] = {};     // a draft step over a target step
+    float v[COST_CONTEXTS * VK] = {};    // [context][k]: a k-token pass over a 1-token pass
+    float o = 0.f;                   // a round's overhead over a target step
+    float draft_p[CAL_BINS] = {};    // P(a guess is accepted | the draft's top probability), the guesses before it accepted
+    float lookup_first[NGRAM_MAX + 1] = {};   // P(the first lookup guess is accepted | n-gram length matched)
+    float lookup_next = 0.f;         // P(a later lookup guess is accepted | the one before was)
+    float draft_rate = 1.f;          // tokens per target step the draft is expected to give (before any round says)
+};
+
+// One round's plan in the automatic policy. Guesses are taken while the expected tokens one
+// more adds -- the chance that it and every guess before it are accepted -- pay for what it
+// costs (a draft step, if one is needed, and the longer verification) at `rate`, the tokens
+// per target step the run makes: adding a guess that earns less than the average lowers it.
+struct RoundPlan {
+    float v[VK];
+    float c, o, rate;
+    float tokens = 1.f, cost = 0.f, reach = 1.f;   // expected tokens, cost so far; P(all taken accepted)
+    int g = 0;
+    RoundPlan(const Policy& p, int context, float rate);
+    float extra_cost(bool draft_step) const { return (draft_step ? c : 0.f) + v[g + 2] - v[g + 1]; }
+    bool worth(float a, bool draft_step) const { return reach * a >= rate * extra_cost(draft_step); }
+    void take(float a, bool draft_step);
+    float efficiency() const { return tokens / cost; }
+};
 
 struct GenParams {
     int mode = GEN_PLAIN;
+    const Policy* policy = nullptr;  // GEN_AUTO
     int max_new_tokens = 128;
     int gamma = 4;                   // guesses per round, 1..16 (the pass verifies gamma + 1)
     float threshold = 0.f;           // draft stops early when its top probability falls below
@@ -349,6 +410,9 @@ struct GenParams {
     int32_t eos[4] = {-1, -1, -1, -1};
 };
 
+// What a round drafted with (the kinds array of Generator::run).
+enum RoundKind : int { ROUND_PLAIN = 0, ROUND_DRAFT = 1, ROUND_LOOKUP = 2 };
+
 struct GenStats {
     int prompt_tokens = 0, new_tokens = 0, rounds = 0, drafted = 0, accepted = 0;
     double t_prompt = 0, t_draft = 0, t_verify = 0, t_sample = 0, t_total = 0;
@@ -358,10 +422,10 @@ struct GenStats {
 class Generator {
 public:
     Generator(Model* target, Model* draft, ThreadPool* pool, int path);
-    // Generates into out[0..max_new_tokens); per round, drafted[r] and accepted[r] (up to
-    // max_rounds). Returns an EngineStatus; stats() tells the rest.
+    // Generates into out[0..max_new_tokens); per round, drafted[r], accepted[r] and kinds[r]
+    // (a RoundKind; up to max_rounds). Returns an EngineStatus; stats() tells the rest.
     int run(const int32_t* prompt, int n_prompt, const GenParams& gp, int32_t* out,
-            int32_t* drafted, int32_t* accepted, int max_rounds);
+            int32_t* drafted, int32_t* accepted, int32_t* kinds, int max_rounds);
     int produced() const;            // tokens written so far (for streaming from another thread)
     const GenStats& stats() const { return stats_; }
 private:

@@ -269,6 +269,12 @@ struct Model::Impl {
     int att_rows = 0;                  // query rows one attention task holds at most
     const float* norm = nullptr;
     Mat embed, output;
+    // A trimmed draft: its kept output rows, which token each is, and the request's extras.
+    Mat trim;
+    Packed extra;
+    int n_extra = 0;
+    std::vector<int32_t> ids;          // trim's tokens, then extra's
+    std::vector<uint8_t> kept;         // [vocab_size]: 1 where trim or extra has the token
     std::vector<Layer> layers;
     std::vector<uint16_t> kcache, vcache;
     std::vector<float> cos_t, sin_t;
@@ -293,7 +299,10 @@ struct Model::Impl {
     bool bind(const char* name, const float*& p, int n);
     void embed_row(int tok, float* out) const;
     int mm(const Mat& W, const float* x, int k, float* y, int rows, ThreadPool* pool, int path, int stage,
-           bool quantized = false);
+           bool quantized = false, int64_t ldy = 0);
+    int out_rows() const { return trim.fmt < 0 ? vocab : trim.rows + n_extra; }
+    int output_logits(int n, float* logits, ThreadPool* pool, int path);
+    bool bind_trim();
     int ffn_hidden(int k, bool quantize, ThreadPool* pool, int path);
     void attention(int layer, int k, int pos, ThreadPool* pool, int path);
     int chunk(const int32_t* tok, int k, int pos, float* logits, int mode, float* hidden, int hidden_stride,
@@ -320,6 +329,24 @@ bool Model::Impl::bind(const char* name, const float*& p, int n) {
     return true;
 }
 
+// A trimmed draft's file holds output_ids (the kept tokens) and output_trim (their rows).
+bool Model::Impl::bind_trim() {
+    const TensorEntry* e = file.find("output_ids");
+    if (!e) return true;
+    const int n = (int)(e->rows * e->cols);
+    if (e->fmt != FMT_I32 || n < 1 || n > (int)h.vocab_size) return fail("output_ids is not a list of token ids");
+    if (!bind("output_trim", trim, n, h.hidden_size)) return false;
+    if (trim.fmt == FMT_F32) return fail("output_trim must be quantized (q8 or q4)");
+    const int32_t* p = (const int32_t*)file.data(e);
+    ids.assign(p, p + n);
+    kept.assign(h.vocab_size, 0);
+    for (int32_t t : ids) {
+        if (t < 0 || t >= vocab || kept[t]) return fail("output_ids holds an id outside the tokenizer or twice");
+        kept[t] = 1;
+    }
+    return true;
+}
+
 Model::Model() : impl_(new Impl) {}
 Model::~Model() { delete impl_; }
 const char* Model::error() const { return impl_->err.c_str(); }
@@ -327,6 +354,23 @@ const FileHeader& Model::config() const { return impl_->h; }
 int Model::max_context() const { return impl_->max_ctx; }
 void Model::set_chunk(int tiles) { impl_->split_tiles = tiles; }
 int Model::vocab() const { return impl_->vocab; }
+int Model::out_rows() const { return impl_->out_rows(); }
+const int32_t* Model::out_ids() const { return impl_->trim.fmt < 0 ? nullptr : impl_->ids.data(); }
+
+int Model::set_extra_rows(const int32_t* tokens, int n) {
+    Impl& m = *impl_;
+    if (m.trim.fmt < 0) return 0;
+    if (m.output.fmt == FMT_F32) return -1;
+    for (size_t i = m.trim.rows; i < m.ids.size(); i++) m.kept[m.ids[i]] = 0;
+    m.ids.resize(m.trim.rows);
+    for (int i = 0; i < n; i++) {
+        const int32_t t = tokens[i];
+        if (t >= 0 && t < m.vocab && !m.kept[t]) { m.kept[t] = 1; m.ids.push_back(t); }
+    }
+    m.n_extra = (int)m.ids.size() - m.trim.rows;
+    if (m.n_extra) m.extra.gather(m.output.pm, m.ids.data() + m.trim.rows, m.n_extra);
+    return m.n_extra;
+}
 
 void Model::profile(bool on) {
     impl_->profiling = on;
@@ -350,7 +394,11 @@ void Model::stage_bytes(int64_t* bytes) const {
     }
     Mat out = m.output;                  // only the tokenizer's rows are ever read
     out.rows = m.vocab;
-    bytes[STAGE_OUTPUT] = mat_bytes(out);
+    if (m.trim.fmt >= 0) {               // a trimmed draft: its kept rows and the request's
+        out = m.trim;
+        if (m.n_extra) bytes[STAGE_OUTPUT] += packed_nbytes(m.output.fmt, m.n_extra, m.output.cols);
+    }
+    bytes[STAGE_OUTPUT] += mat_bytes(out);
 }
 
 int64_t Model::weight_bytes() const {
@@ -391,6 +439,7 @@ bool Model::load(const char* path, int max_context, bool in_memory) {
             return false;
         if (h.qkv_bias && !m.bind(nm("qkv_bias"), L.qkv_bias, m.qkv_rows)) return false;
     }
+    if (!m.bind_trim()) return false;
     const size_t cache = (size_t)h.num_layers * h.num_kv_heads * max_context * h.head_dim;
     m.kcache.assign(cache, 0);
     m.vcache.assign(cache, 0);
@@ -448,7 +497,8 @@ void Model::Impl::embed_row(int tok, float* out) const {
 // y[t * rows + r] for the first `rows` rows of W (the output layer stops at the tokenizer).
 // `quantized`: acts already hold xin's blocks.
 int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, ThreadPool* pool, int path,
-                    int stage, bool quantized) {
+                    int stage, bool quantized, int64_t ldy) {
+    if (!ldy) ldy = rows;
     const int chunk_tiles = split_tiles;
     lap(STAGE_SERIAL);
     if (W.fmt == FMT_F32) {
@@ -460,7 +510,7 @@ int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, T
                     const float* xv = xin + (int64_t)t * cols;
                     float s = 0.f;
                     for (int c = 0; c < cols; c++) s = std::fmaf(w[c], xv[c], s);
-                    y[(int64_t)t * rows + r] = s;
+                    y[(int64_t)t * ldy + r] = s;
                 }
         });
         lap(stage);
@@ -472,7 +522,7 @@ int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, T
     PackedMat pm = W.pm;
     pm.rows = rows;
     pm.tiles = (rows + TILE - 1) / TILE;
-    const int rc = matmul(pm, acts, y, rows, path, pool, chunk_tiles);
+    const int rc = matmul(pm, acts, y, ldy, path, pool, chunk_tiles);
     lap(stage);
     return rc == MM_OK ? E_OK : E_PATH;
 }
@@ -584,7 +634,19 @@ int Model::Impl::chunk(const int32_t* tok, int k, int pos, float* logits, int mo
     if (mode == LOGITS_NONE) { lap(STAGE_SERIAL); return E_OK; }
     const int first = mode == LOGITS_LAST ? k - 1 : 0, n = k - first;
     for (int j = 0; j < n; j++) rms_norm(&x[(size_t)(first + j) * H], norm, H, eps, &xn[(size_t)j * H], path);
-    return mm(output, xn.data(), n, logits, vocab, pool, path, STAGE_OUTPUT);
+    return output_logits(n, logits, pool, path);
+}
+
+// The logits of the n normed rows in xn: the whole vocabulary, or a trimmed draft's kept
+// rows followed by the request's extra rows (the same quantized input for both).
+int Model::Impl::output_logits(int n, float* logits, ThreadPool* pool, int path) {
+    if (trim.fmt < 0) return mm(output, xn.data(), n, logits, vocab, pool, path, STAGE_OUTPUT);
+    const int64_t ld = out_rows();
+    int rc = mm(trim, xn.data(), n, logits, trim.rows, pool, path, STAGE_OUTPUT, false, ld);
+    if (rc || !n_extra) return rc;
+    Mat ex;
+    ex.fmt = extra.view().fmt; ex.rows = n_extra; ex.cols = trim.cols; ex.pm = extra.view();
+    return mm(ex, xn.data(), n, logits + trim.rows, n_extra, pool, path, STAGE_OUTPUT, true, ld);
 }
 
 int Model::forward(const int32_t* tokens, int k, int pos, float* logits, int mode, float* hidden,
@@ -601,7 +663,7 @@ int Model::forward(const int32_t* tokens, int k, int pos, float* logits, int mod
         const int n = k - s < MAX_K ? k - s : MAX_K;
         const bool last = s + n == k;
         const int mode_here = mode == LOGITS_ALL ? LOGITS_ALL : (mode == LOGITS_LAST && last ? LOGITS_LAST : LOGITS_NONE);
-        float* out = mode == LOGITS_ALL ? logits + (size_t)s * m.vocab : logits;
+        float* out = mode == LOGITS_ALL ? logits + (size_t)s * m.out_rows() : logits;
         float* hid = hidden ? hidden + (size_t)s * m.h.hidden_size : nullptr;
         const int rc = m.chunk(tokens + s, n, pos + s, out, mode_here, hid, k, pool, path);
         if (rc) return rc;

@@ -69,10 +69,10 @@ bool ModelFile::open(const char* path, bool in_memory) {
     for (uint32_t i = 0; i < h.n_tensors; i++) {
         const TensorEntry& e = *tensor(i);
         if (std::memchr(e.name, 0, sizeof e.name) == nullptr) return fail("%s: tensor %u has no name", path, i);
-        if (e.fmt > FMT_Q4 || e.ndim < 1 || e.ndim > 2)
+        if (e.fmt > FMT_I32 || e.ndim < 1 || e.ndim > 2)
             return fail("%s: tensor %s has format %u / %u dims the engine does not know", path, e.name, e.fmt, e.ndim);
         uint64_t want_s = 0, want_d = e.rows * e.cols * 4;
-        if (e.fmt != FMT_F32) {
+        if (e.fmt == FMT_Q8 || e.fmt == FMT_Q4) {
             if (e.cols % QK) return fail("%s: tensor %s has %llu columns, not a multiple of 32", path,
                                          e.name, (unsigned long long)e.cols);
             want_s = packed_scale_count((int)e.rows, (int)e.cols) * 2;

@@ -2,6 +2,7 @@
 #include <sys/mman.h>
 
 #include <cstdlib>
+#include <cstring>
 
 #include "formats.h"
 #include "lab.h"
@@ -70,6 +71,33 @@ int Packed::pack(const QMat& W) {
         }
     }
     m_ = PackedMat{W.fmt, W.rows, W.cols, tiles, d, q};
+    return MM_OK;
+}
+
+int Packed::gather(const PackedMat& src, const int32_t* rows, int n) {
+    if (src.fmt != FMT_Q4 && src.fmt != FMT_Q8) return MM_BAD_FORMAT;
+    if (n < 1) return MM_SHAPE;
+    for (int i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= src.rows) return MM_SHAPE;
+    const int nb = src.cols / QK, tiles = (n + TILE - 1) / TILE, chunks = (src.fmt == FMT_Q4 ? Q4_BYTES : Q8_BYTES) / 4;
+    const int64_t ns = packed_scale_count(n, src.cols), nq = packed_byte_count(src.fmt, n, src.cols);
+    const int64_t dbytes = (ns * 2 + 63) / 64 * 64;
+    std::free(mem_);
+    mem_ = alloc_huge((size_t)(dbytes + (nq + 63) / 64 * 64));
+    uint16_t* d = (uint16_t*)mem_;
+    uint8_t* q = (uint8_t*)mem_ + dbytes;
+    std::memset(d, 0, (size_t)ns * 2);                      // rows past n: zero scales, the zero byte
+    std::memset(q, src.fmt == FMT_Q8 ? 0x80 : 0, (size_t)nq);
+    for (int i = 0; i < n; i++) {
+        const int st = rows[i] / TILE, sl = rows[i] % TILE, dt = i / TILE, dl = i % TILE;
+        for (int b = 0; b < nb; b++) {
+            const int64_t sb = (int64_t)st * nb + b, db = (int64_t)dt * nb + b;
+            d[db * TILE + dl] = src.d[sb * TILE + sl];
+            for (int c = 0; c < chunks; c++)
+                std::memcpy(q + (db * chunks + c) * 64 + dl * 4, src.q + (sb * chunks + c) * 64 + sl * 4, 4);
+        }
+    }
+    m_ = PackedMat{src.fmt, n, src.cols, tiles, d, q};
     return MM_OK;
 }
 

@@ -99,6 +99,14 @@ static double softmax_numerators_avx2(const float* l, int n, float mx, float inv
 }
 #pragma GCC pop_options
 
+float top_probability(const float* logits, int n, float* scratch) {
+    static const bool simd = path_supported(PATH_AVX2);
+    const float mx = simd ? max_avx2(logits, n) : logits[argmax_scalar(logits, n)];
+    const double z = simd ? softmax_numerators_avx2(logits, n, mx, 1.f, scratch)
+                          : softmax_numerators_scalar(logits, n, mx, 1.f, scratch);
+    return (float)(1.0 / z);
+}
+
 // Top-k keeps the k largest logits, ties broken toward the lower token id; top-p then keeps
 // the shortest prefix of those (most probable first) whose mass reaches top_p.
 void warp(const float* logits, int n, const SampleParams& sp, float* probs) {

@@ -88,6 +88,8 @@ def _print_vk(r: dict) -> None:
 
 def cmd_bench(args) -> int:
     from . import bench
+    if args.what == "speculative":
+        return cmd_bench_speculative(args)
     if args.what == "bandwidth":
         r = bench.bandwidth(threads=args.threads, mb=args.mb or 512, rounds=args.rounds)
         show = _print_bandwidth
@@ -108,6 +110,56 @@ def cmd_bench(args) -> int:
         print(json.dumps(r, indent=2))
     else:
         show(r)
+    return 0
+
+
+def _draft_engine(args, pool, max_context: int):
+    """The draft Engine the flags name (None for "lookup"): stock, or trimmed to --draft-vocab tokens."""
+    from .engine import Engine
+    from .models.export import engine_file
+    if args.draft in (None, "lookup"):
+        return None
+    from .vocab import default_n, trimmed_draft_file
+    n = default_n(args.draft) if args.draft_vocab is None else args.draft_vocab
+    if n:
+        f = trimmed_draft_file(args.draft, args.model, n, args.draft_vocab_format, args.draft_scheme)
+    else:
+        f = engine_file(args.draft, args.draft_scheme)
+    return Engine(f, pool=pool, max_context=max_context)
+
+
+def cmd_bench_speculative(args) -> int:
+    from . import policy, speculative
+    from .bench import commit, machine
+    from .engine import Engine
+    from .kernels import Pool
+    from .models.export import engine_file
+    pool = Pool(args.threads[0] if args.threads else None)
+    target = Engine(engine_file(args.model, args.scheme), pool=pool, max_context=4096)
+    draft = _draft_engine(args, pool, 4096)
+    gammas = args.gamma or [4]
+    pol_name = args.policy or ("fixed" if args.gamma else "auto")
+    chosen = speculative.settings(args.draft, pol_name, gammas)
+    prompts = speculative.prompts_from(args.prompts, args.per_group)
+    costs = policy.costs_for(target, draft)
+    pol = None
+    if pol_name == "auto":
+        path = policy.calibration_path(target, draft)
+        if args.calibrate or not path.exists():
+            from .vocab import training_samples
+            cal = policy.calibrate(target, draft, training_samples(target, args.model))
+            policy.save_calibration(cal, target, draft)
+        pol = policy.policy_for(target, draft, args.temperature, max_gamma=args.max_gamma)
+    res = speculative.run(target, {"draft": draft}, prompts, chosen, args.max_new_tokens, args.temperature,
+                          args.seed, costs, pol, args.model, progress=not args.json)
+    res = {"machine": machine(), "commit": commit(), "target": args.model, "draft": args.draft,
+           "draft_file": str(draft.file) if draft is not None else None, "policy": pol_name,
+           "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "threads": pool.threads,
+           "costs": costs.model_dump(), **res}
+    if args.json:
+        print(speculative.dump(res))
+    else:
+        speculative.print_summary(res)
     return 0
 
 
@@ -144,7 +196,14 @@ def cmd_models(args) -> int:
     if args.action == "export":
         from .models.export import engine_file
         for name in args.names:
-            print(f"{name}: {engine_file(name, args.scheme)}")
+            if args.draft_vocab:
+                from .vocab import trimmed_draft_file
+                if not args.target:
+                    raise LabError("a trimmed draft is ranked for a target: add --for TARGET")
+                f = trimmed_draft_file(name, args.target, args.draft_vocab, args.draft_vocab_format, args.scheme)
+            else:
+                f = engine_file(name, args.scheme)
+            print(f"{name}: {f}")
         return 0
     for name in args.names:
         print(f"{name}: {registry.fetch(name)}")
@@ -194,9 +253,11 @@ def cmd_generate(args) -> int:
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, on_token=_Stream(tok))
     if args.draft or args.lookup:
-        draft = "lookup" if args.lookup else Engine(engine_file(args.draft, args.draft_scheme), pool=pool,
-                                                    max_context=args.max_context)
-        r = target.speculate(ids, draft, gamma=args.gamma, threshold=args.threshold, **kw)
+        draft = "lookup" if args.lookup else _draft_engine(args, pool, args.max_context)
+        policy = args.policy or ("fixed" if args.gamma or args.threshold else "auto")
+        if policy == "auto" and args.lookup:
+            draft = None                        # the automatic policy with lookup alone
+        r = target.speculate(ids, draft, gamma=args.gamma, threshold=args.threshold, policy=policy, **kw)
     else:
         r = target.generate(ids, **kw)
     sys.stdout.write("\n")
@@ -204,7 +265,8 @@ def cmd_generate(args) -> int:
     lines = [f"prompt: {s['prompt_tokens']} tokens, {s['prompt_tokens_per_s']:.1f} tokens/s",
              f"generation: {s['new_tokens']} tokens, {s['tokens_per_s']:.1f} tokens/s"]
     if args.draft or args.lookup:
-        lines.append(f"rounds: {s['rounds']}, {s['tokens_per_round']:.2f} tokens/round, acceptance "
+        lines.append(f"rounds: {s['rounds']} ({', '.join(f'{r.kinds.count(k)} {k}' for k in ('draft', 'lookup', 'plain'))}), "
+                     f"{s['tokens_per_round']:.2f} tokens/round, acceptance "
                      f"{s['accepted']}/{s['drafted']} = {s['acceptance']:.3f}")
     lines.append("time: prompt {t_prompt:.3f}s, draft {t_draft:.3f}s, verify {t_verify:.3f}s, "
                  "sampling {t_sample:.3f}s, total {t_total:.3f}s".format(**s))
@@ -218,6 +280,14 @@ def cmd_run(args) -> int:
     entries = json.loads((index.parent / "index.json").read_text())["entries"]
     print(index)
     return 1 if any(e["status"] != "ok" for e in entries if e["notebook"] in (args.notebooks or profiles.notebooks())) else 0
+
+
+def _draft_flags(p) -> None:
+    p.add_argument("--draft", help="a draft model for speculative decoding")
+    p.add_argument("--draft-scheme", default="q4-q8out")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="the draft's output trimmed to N tokens (default: lab.vocab.DEFAULT_N; 0: stock)")
+    p.add_argument("--draft-vocab-format", default="q4", choices=["q4", "q8"])
 
 
 def parser() -> argparse.ArgumentParser:
@@ -242,6 +312,9 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--window", type=int, default=256, help="ppl: tokens per window")
     m.add_argument("--windows", type=int, default=8, help="ppl: how many windows")
     m.add_argument("--scheme", default="q4-q8out", help="export: f32, q8, q4 or q4-q8out")
+    m.add_argument("--draft-vocab", type=int, help="export: a draft trimmed to N output tokens (needs --for)")
+    m.add_argument("--draft-vocab-format", default="q4", choices=["q4", "q8"])
+    m.add_argument("--for", dest="target", help="export --draft-vocab: the target it drafts for")
     m.add_argument("--json", action="store_true")
     m.set_defaults(fn=cmd_models)
 
@@ -249,10 +322,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("prompt", help="the prompt ('-' reads stdin; token ids for tiny models)")
     g.add_argument("--model", default="qwen2.5-coder-1.5b")
     g.add_argument("--scheme", default="q4-q8out", help="weights format: f32, q8, q4, q4-q8out")
-    g.add_argument("--draft", help="a draft model for speculative decoding")
-    g.add_argument("--draft-scheme", default="q4-q8out")
+    _draft_flags(g)
     g.add_argument("--lookup", action="store_true", help="speculate with prompt lookup (no draft model)")
-    g.add_argument("--gamma", type=int, default=4, help="guesses per round (1-16)")
+    g.add_argument("--policy", choices=["fixed", "auto"],
+                   help="auto (the default): each round picks lookup, the draft or neither, and how many "
+                        "guesses; fixed: --gamma guesses a round (the default when --gamma is given)")
+    g.add_argument("--gamma", type=int, help="fixed guesses per round (1-16; 4 under --policy fixed)")
     g.add_argument("--threshold", type=float, default=0.0, help="draft stops when its top probability is below")
     g.add_argument("--max-new-tokens", type=int, default=256)
     g.add_argument("--temperature", type=float, default=0.0)
@@ -265,9 +340,22 @@ def parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
 
     b = sub.add_parser("bench", help="quick measurements, JSON out")
-    b.add_argument("what", choices=["bandwidth", "kernels", "decode", "vk"])
-    b.add_argument("--model", default="qwen2.5-coder-1.5b", help="decode/vk: the target")
-    b.add_argument("--draft", default="qwen2.5-coder-0.5b", help="vk: the draft")
+    b.add_argument("what", choices=["bandwidth", "kernels", "decode", "vk", "speculative"])
+    b.add_argument("--model", default="qwen2.5-coder-1.5b", help="decode/vk/speculative: the target")
+    b.add_argument("--draft", default="qwen2.5-coder-0.5b", help="vk/speculative: the draft ('lookup': none)")
+    b.add_argument("--draft-vocab", type=int, default=None,
+                   help="speculative: the draft's output trimmed to N tokens (default: lab.vocab.DEFAULT_N; 0: stock)")
+    b.add_argument("--draft-vocab-format", default="q4", choices=["q4", "q8"])
+    b.add_argument("--draft-scheme", default="q4-q8out")
+    b.add_argument("--prompts", help="speculative: a Spec-Bench-format JSONL (default: the shipped dev set)")
+    b.add_argument("--per-group", type=int, help="speculative: prompts per group (default: all)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--policy", choices=["fixed", "auto"], help="speculative: auto unless --gamma is given")
+    b.add_argument("--gamma", type=_int_list, help="speculative: fixed guesses per round, e.g. 1,2,4")
+    b.add_argument("--max-gamma", type=int, default=8, help="speculative: the automatic policy's longest round")
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--calibrate", action="store_true", help="speculative: fit the policy's calibration again")
     b.add_argument("--scheme", default="q4-q8out", help="decode/vk: weights format")
     b.add_argument("--context", type=_int_list, help="decode: one context (256); vk: several (128,512,2048)")
     b.add_argument("--json", action="store_true", help="print machine-readable results")

@@ -17,7 +17,9 @@ from .kernels import Pool, _pool_ptr, check_array, split_code
 _STATUS = {1: "the context is longer than the cache", 2: "a token id is outside the vocabulary",
            3: "the prompt is empty", 4: "gamma must be 1..16", 5: "the draft's vocabulary differs from the target's",
            6: "the model is not loaded", 7: "a tensor is missing", 8: "the kernel path is not supported",
-           9: "a NaN or inf appeared in the activations"}
+           9: "a NaN or inf appeared in the activations",
+           10: "the automatic policy needs costs and a calibration (lab.policy)"}
+KINDS = ("plain", "draft", "lookup")       # the C++ RoundKind, in order
 
 
 # The C++ Stage enum, in order: where a forward pass spends its time.
@@ -41,6 +43,7 @@ class Result:
     drafted: int
     accepted: int
     per_round: list[tuple[int, int]]        # (drafted, accepted)
+    kinds: list[str]                        # per round: what drafted ("plain", "draft", "lookup")
     t_prompt: float
     t_draft: float
     t_verify: float
@@ -105,6 +108,24 @@ class Engine:
         self.max_context = int(max_context)
         self.eos_ids = [int(h.eos[i]) for i in range(int(h.n_eos))]
         self.arch = {1: "qwen3", 2: "qwen2", 3: "llama"}[int(h.arch)]
+        self.trimmed = bool(self._m.out_ids())     # a draft whose logits cover only some tokens
+
+    @property
+    def kept_ids(self) -> np.ndarray | None:
+        """A trimmed draft: the token each of its logits rows stands for, the request's extra
+        rows included (None: the whole vocabulary)."""
+        if not self.trimmed:
+            return None
+        return np.frombuffer(self._m.out_ids(), np.int32, int(self._m.out_rows())).copy()
+
+    def set_extra_rows(self, tokens) -> int:
+        """A trimmed draft scores these tokens too (the prompt's), as the round loop does per
+        request; returns how many it lacked. Other models: 0."""
+        ids = self._ids(tokens)
+        n = int(self._m.set_extra_rows(ids, ids.size))
+        if n < 0:
+            raise EngineError(f"{self.file}: its full output layer is not quantized, so no rows can be added")
+        return n
 
     def set_chunk(self, tiles: int | str) -> None:
         """Matmul work split: 0 static halves, n > 0 chunks of n 16-row tiles, or "guided"
@@ -152,15 +173,20 @@ class Engine:
         if pos < 0 or pos + k > self.max_context:
             raise EngineError(f"positions {pos}..{pos + k - 1} do not fit the cache of {self.max_context}")
         mode = {"none": 0, "last": 1, "all": 2}[logits]
-        out = np.zeros((k if mode == 2 else 1, self.vocab), np.float32)
+        out = np.zeros((k if mode == 2 else 1, int(self._m.out_rows())), np.float32)
         hid = np.zeros((self.num_layers, k, self.hidden_size), np.float32) if hidden else None
         import cppyy
         _check(self._m.forward(ids, k, pos, out, mode, hid if hidden else cppyy.nullptr,
                                self.pool._pool, self.path_id), "forward")
+        if self.trimmed and mode:               # the vocabulary's logits: -inf off the kept set
+            full = np.full((out.shape[0], self.vocab), -np.inf, np.float32)
+            full[:, self.kept_ids] = out
+            out = full
         res = out if mode == 2 else out[0]
         return (res, hid) if hidden else res
 
-    def _params(self, max_new_tokens, temperature, top_k, top_p, seed, gamma=4, threshold=0.0, ngram=3, mode=0):
+    def _params(self, max_new_tokens, temperature, top_k, top_p, seed, gamma=4, threshold=0.0, ngram=3, mode=0,
+                policy=None):
         ns = native.lib()
         if not 1 <= max_new_tokens:
             raise EngineError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
@@ -172,6 +198,8 @@ class Engine:
         gp.mode, gp.max_new_tokens, gp.gamma, gp.threshold, gp.ngram_max = mode, max_new_tokens, gamma, threshold, ngram
         gp.sample.temperature, gp.sample.top_k, gp.sample.top_p = temperature, top_k, top_p
         gp.seed = seed
+        if policy is not None:
+            gp.policy = policy
         eos = self.eos_ids[:4]
         gp.n_eos = len(eos)
         for i, e in enumerate(eos):
@@ -183,11 +211,11 @@ class Engine:
         n = int(gp.max_new_tokens)
         out = np.zeros(n, np.int32)
         rounds = n + 1
-        drafted, accepted = np.zeros(rounds, np.int32), np.zeros(rounds, np.int32)
+        drafted, accepted, kinds = (np.zeros(rounds, np.int32) for _ in range(3))
         rc = [0]
 
         def work():
-            rc[0] = gen.run(ids, ids.size, gp, out, drafted, accepted, rounds)
+            rc[0] = gen.run(ids, ids.size, gp, out, drafted, accepted, kinds, rounds)
         if on_token is None:
             work()
         else:                                   # stream: C++ runs (GIL released), Python polls
@@ -204,8 +232,9 @@ class Engine:
         _check(rc[0], "generate")
         s = gen.stats()
         r = int(s.rounds)
+        m = min(r, rounds)
         return Result(out[:int(s.new_tokens)].tolist(), int(s.prompt_tokens), r, int(s.drafted), int(s.accepted),
-                      list(zip(drafted[:min(r, rounds)].tolist(), accepted[:min(r, rounds)].tolist())),
+                      list(zip(drafted[:m].tolist(), accepted[:m].tolist())), [KINDS[k] for k in kinds[:m]],
                       float(s.t_prompt), float(s.t_draft), float(s.t_verify), float(s.t_sample), float(s.t_total),
                       bool(s.stopped_on_eos))
 
@@ -216,20 +245,34 @@ class Engine:
         gen = native.lib().Generator(self._m, cppyy.nullptr, self.pool._pool, self.path_id)
         return self._run(gen, prompt, self._params(max_new_tokens, temperature, top_k, top_p, seed), on_token)
 
-    def speculate(self, prompt, draft: "Engine | str" = "lookup", gamma: int = 4, max_new_tokens: int = 128,
-                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-                  threshold: float = 0.0, ngram: int = 3, on_token=None) -> Result:
-        """Speculative decoding with a draft Engine, or prompt lookup (draft="lookup")."""
+    def speculate(self, prompt, draft: "Engine | str | None" = "lookup", gamma: int | None = None,
+                  max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  seed: int = 0, threshold: float = 0.0, ngram: int = 3, policy=None, on_token=None) -> Result:
+        """Speculative decoding with a draft Engine, prompt lookup (draft="lookup"), or, under the
+        automatic policy, both: each round takes lookup, the draft or a plain step, and as many
+        guesses as pay. policy: "fixed" (gamma guesses a round, 4 by default), "auto" (this
+        machine's cached costs and the draft's calibration, lab.policy) or a lab.policy.Policy;
+        by default "fixed" when gamma is given, else "auto"."""
         import cppyy
-        if isinstance(draft, Engine):
-            if draft.vocab != self.vocab:
-                raise EngineError(f"the draft's vocabulary ({draft.vocab}) differs from the target's ({self.vocab})")
-            gen = native.lib().Generator(self._m, draft._m, self.pool._pool, self.path_id)
-            mode = 1
-        elif draft == "lookup":
-            gen = native.lib().Generator(self._m, cppyy.nullptr, self.pool._pool, self.path_id)
-            mode = 2
+        if isinstance(draft, Engine) and draft.vocab != self.vocab:
+            raise EngineError(f"the draft's vocabulary ({draft.vocab}) differs from the target's ({self.vocab})")
+        if not (isinstance(draft, Engine) or draft in ("lookup", None)):
+            raise EngineError(f"draft must be an Engine, 'lookup' or None, got {draft!r}")
+        policy = policy or ("fixed" if gamma is not None or threshold > 0 else "auto")
+        dm = draft._m if isinstance(draft, Engine) else cppyy.nullptr
+        gen = native.lib().Generator(self._m, dm, self.pool._pool, self.path_id)
+        if policy == "fixed":
+            if draft is None:
+                raise EngineError("a fixed policy needs a drafter: a draft Engine or 'lookup'")
+            gp = self._params(max_new_tokens, temperature, top_k, top_p, seed, 4 if gamma is None else gamma,
+                              threshold, ngram, 1 if isinstance(draft, Engine) else 2)
         else:
-            raise EngineError(f"draft must be an Engine or 'lookup', got {draft!r}")
-        gp = self._params(max_new_tokens, temperature, top_k, top_p, seed, gamma, threshold, ngram, mode)
+            from . import policy as P
+            pol = P.policy_for(self, draft if isinstance(draft, Engine) else None, temperature) if policy == "auto" \
+                else policy
+            if not isinstance(pol, P.Policy):
+                raise EngineError(f"policy must be 'fixed', 'auto' or a lab.policy.Policy, got {policy!r}")
+            native_pol = pol.native()           # a local: alive while C++ reads it through gp
+            gp = self._params(max_new_tokens, temperature, top_k, top_p, seed, pol.max_gamma, 0.0, ngram, 3,
+                              native_pol)
         return self._run(gen, prompt, gp, on_token)

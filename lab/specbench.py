@@ -13,13 +13,34 @@ def group_of(category: str) -> str:
     return "multiturn" if category in _MT_BENCH else category
 
 
-def prompts(groups=GROUPS, per_group: int | None = None) -> list[dict]:
-    """[{id, group, turns}] in file order, at most per_group from each group."""
+def _rows(path: Path):
+    """The prompts of a Spec-Bench-format file, each checked: question_id, category, turns."""
+    from .errors import LabError
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as e:
+        raise LabError(f"cannot read prompts from {path}: {e.strerror}") from None
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise LabError(f"{path}:{n} is not JSON ({e.msg}): one prompt object per line, please") from None
+        turns = row.get("turns") if isinstance(row, dict) else None
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns) \
+                or "question_id" not in row or not isinstance(row.get("category"), str):
+            raise LabError(f"{path}:{n}: a prompt needs question_id, category and turns (a list of strings)")
+        yield row
+
+
+def prompts(groups=GROUPS, per_group: int | None = None, path: Path | None = None) -> list[dict]:
+    """[{id, group, turns}] in file order, at most per_group from each group. path: another
+    Spec-Bench-format file (its categories outside the six groups form groups of their own)."""
     out, seen = [], {}
-    for line in DATA.read_text().splitlines():
-        row = json.loads(line)
+    for row in _rows(path or DATA):
         g = group_of(row["category"])
-        if g not in groups or (per_group and seen.get(g, 0) >= per_group):
+        if (path is None and g not in groups) or (per_group and seen.get(g, 0) >= per_group):
             continue
         seen[g] = seen.get(g, 0) + 1
         out.append({"id": row["question_id"], "group": g, "turns": row["turns"]})

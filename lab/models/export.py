@@ -26,7 +26,7 @@ from .twin import quantize_weights
 MAGIC = b"LABMODEL"
 VERSION = 1
 ARCH_ID = {"qwen3": 1, "qwen2": 2, "llama": 3}
-FMT_ID = {"f32": 0, "q8": 1, "q4": 2}
+FMT_ID = {"f32": 0, "q8": 1, "q4": 2, "i32": 3}
 HEADER = struct.Struct("<8sII12II4iIddQQQQQ32s80s")
 ENTRY = struct.Struct("<80sIIQQQQQ")
 assert HEADER.size == 256 and ENTRY.size == 128
@@ -80,15 +80,38 @@ def _regions(t) -> tuple[int, list[bytes], tuple[int, int], int]:
     if isinstance(t, formats.QTensor):
         d, q = formats.pack_tiles(t)
         return FMT_ID[t.fmt], [d.tobytes(), q.tobytes()], t.shape, 2
+    if isinstance(t, np.ndarray) and t.dtype == np.int32:     # token ids
+        return FMT_ID["i32"], [t.astype("<i4").tobytes()], (1, t.size), 1
     a = np.ascontiguousarray(t, np.float32) if isinstance(t, np.ndarray) else t.detach().float().contiguous().numpy()
     shape = (1, a.shape[0]) if a.ndim == 1 else a.shape
     return 0, [a.astype("<f4").tobytes()], shape, a.ndim
 
 
 def export(config: ModelConfig, weights: dict, path: str | Path, scheme: str = "q4-q8out",
-           meta: dict | None = None) -> Path:
-    """Quantizes Hugging Face-named weights under `scheme` and writes the engine's file."""
-    return write(config, engine_tensors(config, weights, scheme), path, {"scheme": scheme, **(meta or {})})
+           meta: dict | None = None, keep: list[int] | None = None, keep_fmt: str = "q4") -> Path:
+    """Quantizes Hugging Face-named weights under `scheme` and writes the engine's file.
+    keep: a trimmed draft, whose logits cover only these token ids (its output rows in
+    keep_fmt; the full output layer stays for the rows a request adds)."""
+    tensors = engine_tensors(config, weights, scheme)
+    meta = {"scheme": scheme, **(meta or {})}
+    if keep is not None:
+        tensors.update(trimmed_output(config, weights, keep, keep_fmt))
+        meta.update(draft_vocab=len(keep), draft_vocab_format=keep_fmt)
+    return write(config, tensors, path, meta)
+
+
+def trimmed_output(config: ModelConfig, weights: dict, keep: list[int], fmt: str = "q4") -> dict:
+    """A trimmed draft's output: the kept tokens' rows of the output layer, and their ids."""
+    ids = np.asarray(keep, np.int64)
+    if ids.size < 1 or ids.min() < 0 or ids.max() >= config.tokenizer_size or np.unique(ids).size != ids.size:
+        raise ModelFileError(f"a trimmed vocabulary needs distinct token ids in [0, {config.tokenizer_size})")
+    if fmt not in ("q8", "q4"):
+        raise ModelFileError(f"a trimmed output layer is q8 or q4, not {fmt!r}")
+    head = weights["model.embed_tokens.weight" if config.tie_embeddings or "lm_head.weight" not in weights
+                   else "lm_head.weight"]
+    from ..kernels import quantize
+    rows = np.ascontiguousarray(head[torch.from_numpy(ids)].float().numpy())
+    return {"output_trim": quantize(rows, fmt, "output_trim"), "output_ids": ids.astype(np.int32)}
 
 
 def write(config: ModelConfig, tensors: dict, path: str | Path, meta: dict | None = None) -> Path:
@@ -105,7 +128,7 @@ def write(config: ModelConfig, tensors: dict, path: str | Path, meta: dict | Non
             raise ValueError(f"tensor name {name!r} is too long for the file's 80-byte field")
         fmt, regions, (rows, cols), ndim = _regions(t)
         start = off
-        scales = len(regions[0]) if fmt else 0
+        scales = len(regions[0]) if fmt in (FMT_ID["q8"], FMT_ID["q4"]) else 0
         for r in regions:
             chunks.append((off, r))
             off = _align(off + len(r))
@@ -167,9 +190,9 @@ def read(path: str | Path) -> ModelFile:
     for i in range(hd["n_tensors"]):
         name, fmt, ndim, rows, cols, off, sb, db = ENTRY.unpack_from(raw, hd["dir_offset"] + i * ENTRY.size)
         name = name.rstrip(b"\0").decode()
-        if fmt == 0:
-            a = np.frombuffer(raw, "<f4", rows * cols, off).reshape((cols,) if ndim == 1 else (rows, cols))
-            tensors[name] = a.copy()
+        if fmt in (0, 3):
+            a = np.frombuffer(raw, "<f4" if fmt == 0 else "<i4", rows * cols, off)
+            tensors[name] = a.reshape((cols,) if ndim == 1 else (rows, cols)).copy()
         else:
             fname = {1: "q8", 2: "q4"}[fmt]
             d = np.frombuffer(raw, np.uint16, sb // 2, off)

@@ -1,0 +1,347 @@
+"""The automatic speculation policy: what the round loop needs to decide a round, and where
+it comes from.
+
+- Costs: this machine's v(k), c and o at a few contexts, measured once per machine and pair
+  of models (lab.bench's protocol: interleaved, medians of paired ratios) and cached under
+  cache_dir()/costs/.
+- Calibration: how likely a guess is to be accepted, from the draft's confidence (its top
+  probability) or from the length of the n-gram prompt lookup matched; fitted on training
+  prompts (never Spec-Bench) along the target's own answers, and stored beside the draft's
+  weights file.
+
+Each file names what it was made for; one made for another machine or other models is
+refused with a message naming both sides.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ValidationError
+
+from . import native, spec
+from .errors import LabError
+
+TEMPERATURES = (0.0, 0.7, 1.0)     # the calibration's tables; a request takes the nearest
+
+
+class PolicyFileError(LabError):
+    """A costs or calibration file that does not fit this machine or these models."""
+
+
+def _consts():
+    ns = native.lib()
+    return int(ns.CAL_BINS), int(ns.NGRAM_MAX), int(ns.COST_CONTEXTS), int(ns.VK), int(ns.MAX_K)
+
+
+def _content(engine) -> str | None:
+    from .models.export import content_id
+    return None if engine is None else content_id(engine.file)
+
+
+def _save(path: Path, model: BaseModel) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(model.model_dump_json(indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def _load(cls, path: Path, what: str):
+    try:
+        return cls.model_validate_json(Path(path).read_text())
+    except (OSError, ValidationError, ValueError) as e:
+        raise PolicyFileError(f"{path} is not a {what} file ({str(e).splitlines()[0]}): delete it and "
+                              f"let the lab make it again") from None
+
+
+def _check_models(obj, path, target, draft, what: str) -> None:
+    want = (_content(target), _content(draft))
+    if (obj.target, obj.draft) != want:
+        raise PolicyFileError(
+            f"{path}: these {what} were made for target {obj.target[:12]} and draft {(obj.draft or 'none')[:12]}; "
+            f"this is target {want[0][:12]} ({target.file.name}) and draft {(want[1] or 'none')[:12]}: "
+            f"make them again for this pair")
+
+
+# ----------------------------------------------------------------------------
+# Costs
+# ----------------------------------------------------------------------------
+
+class Costs(BaseModel):
+    machine: dict                    # cpu, kernel path, threads
+    target: str                      # content ids of the weights files
+    draft: str | None
+    contexts: list[int]
+    v: list[list[float]]             # [context][k], k = 0..MAX_K + 1 (v[0] unused)
+    c: list[float]                   # per context: a draft step over a target step (0: no draft)
+    o: float                         # a round's overhead over a target step, greedy
+    o_sampled: float
+
+    def at(self, context: int) -> tuple[dict[int, float], float]:
+        """v (k -> v(k)) and c at the measured context nearest to `context`."""
+        i = int(np.argmin([abs(c - context) for c in self.contexts]))
+        return {k: x for k, x in enumerate(self.v[i]) if k}, self.c[i]
+
+
+def machine_id(threads: int) -> dict:
+    c = native.cpu()
+    return {"cpu": c["model"], "kernel_path": c["active_path"], "threads": int(threads)}
+
+
+def costs_path(target, draft) -> Path:
+    m = machine_id(target.pool.threads)
+    key = hashlib.sha256(json.dumps(m, sort_keys=True).encode()).hexdigest()[:12]
+    pair = f"{_content(target)[:16]}-{(_content(draft) or 'lookup')[:16]}"
+    return native.cache_dir() / "costs" / f"{key}-{pair}.json"
+
+
+def measure_costs(target, draft=None, contexts=(128, 512, 2048), kmax: int = 9, rounds: int = 3, reps: int = 2,
+                  progress: bool = True) -> Costs:
+    """v(k) for k = 1..kmax (a round of kmax - 1 guesses at most) and c at each context that
+    fits both caches, and o."""
+    from tqdm.auto import tqdm
+    from . import bench
+    _, _, ncx, vk, max_k = _consts()
+    kmax = min(kmax, max_k + 1)
+    top = min(target.max_context, draft.max_context if draft else target.max_context) - (kmax + 1)
+    ctxs = [c for c in contexts if c <= top][:ncx] or [max(1, top)]
+    vs, cs = [], []
+    for ctx in tqdm(ctxs, desc="this machine's costs", unit="context", disable=not progress, file=sys.stderr):
+        ids = bench._fill(target, ctx)
+        if draft:
+            draft.forward(ids, 0, logits="none")
+        batch = {k: np.resize(ids, k).astype(np.int32) for k in range(1, kmax + 1)}
+        cands = {k: (lambda k=k: bench._forward_samples(target, batch[k], ctx, 2 if k > 1 else 1, reps))
+                 for k in batch}
+        if draft:
+            cands["c"] = lambda: bench._forward_samples(draft, batch[1], ctx, 1, reps)
+        s = bench.interleave(cands, rounds)
+        vs.append([0.0] + [bench.paired_ratio(s[k], s[1])["median"] for k in batch])
+        cs.append(bench.paired_ratio(s["c"], s[1])["median"] if draft else 0.0)
+    o = bench.overhead(target, draft, tokens=32)
+    return Costs(machine=machine_id(target.pool.threads), target=_content(target), draft=_content(draft),
+                 contexts=ctxs, v=vs, c=cs, o=o["o_greedy"], o_sampled=o["o_sampled"])
+
+
+def load_costs(path: Path, target, draft) -> Costs:
+    c = _load(Costs, path, "costs")
+    here = machine_id(target.pool.threads)
+    if c.machine != here:
+        raise PolicyFileError(f"{path}: these costs were measured on {c.machine}; this is {here}: "
+                              f"measure them here (lab bench speculative does it once per machine)")
+    _check_models(c, path, target, draft, "costs")
+    return c
+
+
+def costs_for(target, draft=None, progress: bool = True) -> Costs:
+    """This machine's costs for the pair: from the cache, or measured once and cached."""
+    path = costs_path(target, draft)
+    if path.exists():
+        return load_costs(path, target, draft)
+    c = measure_costs(target, draft, progress=progress)
+    _save(path, c)
+    return c
+
+
+# ----------------------------------------------------------------------------
+# Calibration
+# ----------------------------------------------------------------------------
+
+class Table(BaseModel):
+    draft_p: list[float]             # [CAL_BINS]: P(accepted | the draft's top probability)
+    lookup_first: list[float]        # [NGRAM_MAX + 1]: P(first lookup guess accepted | n matched)
+    lookup_next: float               # P(a later lookup guess accepted | the one before was)
+    draft_alpha: float               # the draft's mean acceptance over every position
+    positions: int                   # how many positions the table was fitted on
+
+
+class Calibration(BaseModel):
+    target: str
+    draft: str | None
+    ngram_max: int
+    prompts: int
+    tables: dict[str, Table]         # by temperature ("0.0", "0.7", "1.0")
+
+    def table(self, temperature: float) -> Table:
+        key = min(self.tables, key=lambda t: abs(float(t) - temperature))
+        return self.tables[key]
+
+
+def calibration_path(target, draft) -> Path:
+    """Beside the draft's weights file (lookup alone: beside the target's), per target."""
+    base = draft.file if draft is not None else target.file
+    return base.with_name(f"{base.name}.calib-{_content(target)[:12]}.json")
+
+
+def isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The non-decreasing fit of y with weights w (pool adjacent violators): a surer draft
+    is never calibrated as less likely to be right."""
+    blocks = []                                        # [value, weight, count]
+    for yi, wi in zip(y, w):
+        blocks.append([yi, wi, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            b = blocks.pop()
+            a = blocks[-1]
+            a[0] = (a[0] * a[1] + b[0] * b[1]) / max(a[1] + b[1], 1e-12)
+            a[1] += b[1]
+            a[2] += b[2]
+    return np.concatenate([[v] * n for v, _, n in blocks])
+
+
+def _binned(conf: np.ndarray, acc: np.ndarray, bins: int) -> list[float]:
+    """P(accept) per confidence bin: each bin's mean pulled toward its centre by two pseudo
+    positions, then made non-decreasing."""
+    b = np.clip((conf * bins).astype(int), 0, bins - 1)
+    n = np.bincount(b, minlength=bins).astype(float)
+    hits = np.bincount(b, weights=acc, minlength=bins)
+    centre = (np.arange(bins) + 0.5) / bins
+    return isotonic((hits + 2 * centre) / (n + 2), n + 2).tolist()
+
+
+def _softmax(x: np.ndarray, t: float) -> np.ndarray:
+    z = (x - x.max(-1, keepdims=True)) / t
+    e = np.exp(z)
+    return e / e.sum(-1, keepdims=True)
+
+
+def teacher_forced(engine, prompt: list[int], answer: list[int], chunk: int = 16):
+    """Logits predicting each answer token, in chunks -> yields (start, [n, vocab])."""
+    if len(prompt) > 1:
+        engine.forward(prompt[:-1], 0, logits="none")
+    seq = [prompt[-1]] + answer[:-1]
+    for s in range(0, len(seq), chunk):
+        yield s, engine.forward(seq[s:s + chunk], len(prompt) - 1 + s, logits="all")
+
+
+def lookup(ctx: list[int], ngram_max: int, gamma: int) -> tuple[int, list[int]]:
+    """The engine's prompt lookup on a context -> (n-gram length matched, continuation)."""
+    ns = native.lib()
+    a = np.asarray(ctx, np.int32)
+    out, matched = np.zeros(gamma, np.int32), np.zeros(1, np.int32)
+    g = int(ns.lookup_ngram(a, a.size, ngram_max, gamma, out, matched))
+    return int(matched[0]), out[:g].tolist()
+
+
+def calibrate(target, draft, samples, temperatures=TEMPERATURES, ngram_max: int = 3,
+              progress: bool = True) -> Calibration:
+    """Fits the tables on (prompt ids, answer ids) pairs, the answers being the target's
+    greedy text: along it, a guess at position j is accepted, given every guess before it
+    was, exactly when the draft's top token (or lookup's) is the target's."""
+    from tqdm.auto import tqdm
+    bins, nmax, _, _, max_k = _consts()
+    rec = {t: {"conf": [], "acc": [], "lf": [[] for _ in range(nmax + 1)], "ln": []} for t in temperatures}
+    for prompt, answer in tqdm(samples, desc="calibration", unit="prompt", disable=not progress, file=sys.stderr):
+        if draft is not None:
+            draft.set_extra_rows(prompt)
+        tgt = np.concatenate([x for _, x in teacher_forced(target, prompt, answer)])
+        drf = np.concatenate([x for _, x in teacher_forced(draft, prompt, answer)]) if draft is not None else None
+        for t in temperatures:
+            r = rec[t]
+            p = _softmax(tgt.astype(np.float64), t or 1.0)
+            if drf is not None:
+                q = _softmax(drf.astype(np.float64), t or 1.0)
+                r["conf"].append(q.max(-1))
+                r["acc"].append((drf.argmax(-1) == np.asarray(answer)).astype(float) if t == 0
+                                else np.minimum(p, q).sum(-1))
+            for j in range(len(answer)):
+                n, cont = lookup(prompt + answer[:j], ngram_max, max_k)
+                for i, tok in enumerate(cont[:len(answer) - j]):
+                    a = float(tok == answer[j + i]) if t == 0 else float(p[j + i, tok])
+                    (r["lf"][n] if i == 0 else r["ln"]).append(a)
+                    if tok != answer[j + i]:
+                        break
+    tables = {}
+    for t, r in rec.items():
+        conf = np.concatenate(r["conf"]) if r["conf"] else np.zeros(0)
+        acc = np.concatenate(r["acc"]) if r["acc"] else np.zeros(0)
+        tables[str(t)] = Table(
+            draft_p=_binned(conf, acc, bins),
+            lookup_first=[(sum(x) + 0.5) / (len(x) + 2) for x in r["lf"]],
+            lookup_next=(sum(r["ln"]) + 0.5) / (len(r["ln"]) + 2),
+            draft_alpha=float(acc.mean()) if acc.size else 0.0, positions=int(conf.size or sum(map(len, r["lf"]))))
+    return Calibration(target=_content(target), draft=_content(draft), ngram_max=ngram_max,
+                       prompts=len(samples), tables=tables)
+
+
+def prior_calibration(target, draft, ngram_max: int = 3) -> Calibration:
+    """Before any fit: acceptance = the draft's confidence; lookup by match length."""
+    bins, nmax, *_ = _consts()
+    tab = Table(draft_p=((np.arange(bins) + 0.5) / bins).tolist(),
+                lookup_first=[0.0] + [min(0.9, 0.3 + 0.15 * n) for n in range(1, nmax + 1)],
+                lookup_next=0.7, draft_alpha=0.6 if draft is not None else 0.0, positions=0)
+    return Calibration(target=_content(target), draft=_content(draft), ngram_max=ngram_max, prompts=0,
+                       tables={"0.0": tab})
+
+
+def load_calibration(path: Path, target, draft) -> Calibration:
+    c = _load(Calibration, path, "calibration")
+    _check_models(c, path, target, draft, "calibration tables")
+    return c
+
+
+def save_calibration(calib: Calibration, target, draft) -> Path:
+    return _save(calibration_path(target, draft), calib)
+
+
+# ----------------------------------------------------------------------------
+# The policy handed to the round loop
+# ----------------------------------------------------------------------------
+
+@dataclass
+class Policy:
+    costs: Costs
+    table: Table
+    max_gamma: int = 8
+
+    def draft_rate(self) -> float:
+        """The speedup the draft alone is expected to give at its best γ (its prior in the loop)."""
+        if self.costs.draft is None:
+            return 1.0
+        v, c = self.costs.at(512)
+        gammas = [g for g in range(1, self.max_gamma + 1) if g + 1 in v]
+        return max(1.0, spec.best_gamma(self.table.draft_alpha, c, v, self.costs.o, gammas)[1])
+
+    def native(self):
+        """The C++ lab::Policy (keep it alive while a generation runs on it)."""
+        ns = native.lib()
+        bins, nmax, ncx, vk, max_k = _consts()
+        top = min(max_k, min(len(v) for v in self.costs.v) - 2)
+        if not 1 <= self.max_gamma <= top:
+            raise LabError(f"max_gamma={self.max_gamma}: the costs cover rounds of 1 to {top} guesses")
+        p = ns.Policy()
+        p.max_gamma, p.n_ctx, p.o = self.max_gamma, len(self.costs.contexts), self.costs.o
+        for i, (ctx, c, v) in enumerate(zip(self.costs.contexts, self.costs.c, self.costs.v)):
+            p.ctx[i], p.c[i] = ctx, c
+            for k in range(vk):
+                p.v[i * vk + k] = v[min(k, len(v) - 1)]
+        for i, x in enumerate(self.table.draft_p[:bins]):
+            p.draft_p[i] = x
+        for i, x in enumerate(self.table.lookup_first[:nmax + 1]):
+            p.lookup_first[i] = x
+        p.lookup_next, p.draft_rate = self.table.lookup_next, self.draft_rate()
+        return p
+
+
+_warned: set = set()
+
+
+def policy_for(target, draft=None, temperature: float = 0.0, max_gamma: int = 8, progress: bool = True) -> Policy:
+    """The automatic policy for the pair on this machine: cached costs (measured here once)
+    and the calibration beside the draft's file (before one is fitted: the prior, said once)."""
+    costs = costs_for(target, draft, progress=progress)
+    path = calibration_path(target, draft)
+    if path.exists():
+        calib = load_calibration(path, target, draft)
+    else:
+        if path not in _warned:
+            print(f"lab: no calibration at {path}; the policy uses its prior (fit one: lab bench speculative "
+                  f"--calibrate)", file=sys.stderr)
+            _warned.add(path)
+        calib = prior_calibration(target, draft)
+    return Policy(costs, calib.table(temperature), max_gamma)

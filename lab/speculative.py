@@ -1,0 +1,183 @@
+"""The speculative benchmark (`lab bench speculative`): plain against speculative decoding,
+prompt by prompt, paired in time.
+
+Each prompt's turn runs plain, then every speculative setting, then plain again: a
+setting's speedup is its tokens/s over the mean of the two plain runs around it, so a
+bandwidth flip between prompts cannot fake a speedup; when the two plain runs disagree by
+more than UNSTEADY the whole bracket runs again (once) and the row says so. Multi-turn
+prompts run every turn, the later ones seeing the model's own earlier answers, as
+Spec-Bench does. Every greedy speculative output must equal plain: a difference raises.
+The cost model's prediction for each run comes from the rounds it actually made.
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from . import specbench
+from .errors import LabError
+
+UNSTEADY = 0.15
+
+
+class SpeculationMismatch(LabError):
+    """A greedy speculative output differed from plain greedy decoding."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    drafter: str                 # "draft" or "lookup" (fixed), or "auto"
+    gamma: int | None = None     # fixed settings
+
+    @property
+    def label(self) -> str:
+        return "auto" if self.drafter == "auto" else f"{self.drafter} γ={self.gamma}"
+
+
+def settings(draft: str | None, policy: str, gammas) -> list[Setting]:
+    """The settings `lab bench speculative` runs: draft may be "lookup"."""
+    drafter = "lookup" if draft in (None, "lookup") else "draft"
+    if policy == "auto":
+        return [Setting("auto")]
+    if policy != "fixed":
+        raise LabError(f"--policy must be fixed or auto, not {policy!r}")
+    return [Setting(drafter, g) for g in gammas]
+
+
+def geomean(xs) -> float:
+    xs = [x for x in xs if x > 0]
+    return float(np.exp(np.mean(np.log(xs)))) if xs else float("nan")
+
+
+def predicted(result, costs) -> float:
+    """The cost model's speedup for the rounds a run made: tokens over the sum of each
+    round's cost (γ draft steps if it drafted with the model, the verification of γ + 1
+    tokens, the overhead), at the context nearest the run's."""
+    if costs is None or not result.rounds:
+        return float("nan")
+    v, c = costs.at(result.prompt_tokens + len(result.tokens) // 2)
+    top = max(v)
+    spent = sum((g * c if kind == "draft" else 0.0) + v[min(g + 1, top)] + costs.o
+                for (g, _), kind in zip(result.per_round, result.kinds))
+    return len(result.tokens) / spent
+
+
+class Conversation:
+    """Token ids of a prompt's turns, each turn after the model's own earlier answers."""
+
+    def __init__(self, model: str):
+        from .models import TINY
+        self.tiny = TINY.get(model)
+        self.tok = None
+        if self.tiny is None:
+            from transformers import AutoTokenizer
+            from .models.registry import resolve
+            self.tok = AutoTokenizer.from_pretrained(str(resolve(model)))
+        self.thinking = {"enable_thinking": False} if model.startswith("qwen3") else {}
+
+    def ids(self, turns: list[str], answers: list[list[int]]) -> list[int]:
+        if self.tok is None:                     # tiny models: bytes, answers as they came
+            out = []
+            for i, t in enumerate(turns):
+                out += [b % self.tiny.tokenizer_size for b in t.encode()]
+                if i < len(answers):
+                    out += answers[i]
+            return out
+        msgs = []
+        for i, t in enumerate(turns):
+            msgs.append({"role": "user", "content": t})
+            if i < len(answers):
+                msgs.append({"role": "assistant", "content": self.tok.decode(answers[i], skip_special_tokens=True)})
+        text = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **self.thinking)
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+
+def _bracket(target, ids, runs, max_new_tokens, temperature, seed):
+    """plain, each setting, plain -> (plain results, setting results)."""
+    first = target.generate(ids, max_new_tokens, temperature=temperature, seed=seed)
+    mine = [fn() for fn in runs]
+    last = target.generate(ids, max_new_tokens, temperature=temperature, seed=seed)
+    return (first, last), mine
+
+
+def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], max_new_tokens: int = 128,
+        temperature: float = 0.0, seed: int = 0, costs=None, policy=None, target_name: str = "",
+        progress: bool = True) -> dict:
+    """drafts: {"draft": Engine or None}; policy: the automatic Policy (for "auto").
+    -> {"rows": per prompt turn and setting, "summary": per group and overall}"""
+    from tqdm.auto import tqdm
+    conv = Conversation(target_name)
+    draft = drafts.get("draft")
+    rows = []
+    turns_total = sum(len(p["turns"]) for p in prompts)
+    bar = tqdm(total=turns_total, desc="speculative bench", unit="turn", disable=not progress, file=sys.stderr)
+
+    def spec(ids, s: Setting):
+        d = "lookup" if s.drafter == "lookup" else draft
+        kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
+        if s.drafter == "auto":
+            return lambda: target.speculate(ids, d, policy=policy, **kw)
+        return lambda: target.speculate(ids, d, gamma=s.gamma, **kw)
+
+    for p in prompts:
+        answers: list[list[int]] = []
+        for turn in range(len(p["turns"])):
+            ids = conv.ids(p["turns"][:turn + 1], answers)
+            runs = [spec(ids, s) for s in setting_list]
+            (a, b), mine = _bracket(target, ids, runs, max_new_tokens, temperature, seed)
+            tries = 1
+            if abs(a.tokens_per_s / b.tokens_per_s - 1) > UNSTEADY:
+                (a, b), mine = _bracket(target, ids, runs, max_new_tokens, temperature, seed)
+                tries = 2
+            plain_tps = (a.tokens_per_s + b.tokens_per_s) / 2
+            for s, r in zip(setting_list, mine):
+                equal = r.tokens == a.tokens
+                if temperature == 0 and not equal:
+                    raise SpeculationMismatch(
+                        f"prompt {p['id']} turn {turn + 1} ({s.label}): speculative output differs from plain "
+                        f"at token {next(i for i, (x, y) in enumerate(zip(r.tokens + [-1], a.tokens + [-2])) if x != y)}")
+                rows.append({"id": p["id"], "group": p["group"], "turn": turn + 1, "setting": s.label,
+                             "new_tokens": len(r.tokens), "speedup": r.tokens_per_s / plain_tps,
+                             "predicted": predicted(r, costs), "tokens_per_round": r.tokens_per_round,
+                             "alpha": r.acceptance, "equal_to_plain": equal, "plain_tokens_per_s": plain_tps,
+                             "plain_spread": a.tokens_per_s / b.tokens_per_s - 1, "tries": tries,
+                             "rounds": {k: r.kinds.count(k) for k in ("draft", "lookup", "plain")}})
+            answers.append(a.tokens)
+            bar.update()
+    bar.close()
+    return {"rows": rows, "summary": summarize(rows)}
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """Per setting, per group and overall: geometric means of speedup and prediction."""
+    out = []
+    for s in dict.fromkeys(r["setting"] for r in rows):
+        for g in list(dict.fromkeys(r["group"] for r in rows)) + ["overall"]:
+            mine = [r for r in rows if r["setting"] == s and g in ("overall", r["group"])]
+            out.append({"setting": s, "group": g, "n": len(mine), "speedup": geomean(r["speedup"] for r in mine),
+                        "predicted": geomean(r["predicted"] for r in mine),
+                        "alpha": float(np.nanmean([r["alpha"] for r in mine])),
+                        "tokens_per_round": float(np.mean([r["tokens_per_round"] for r in mine])),
+                        "all_equal": all(r["equal_to_plain"] for r in mine)})
+    return out
+
+
+def prompts_from(path: str | Path | None, per_group: int | None) -> list[dict]:
+    """Spec-Bench-format prompts (question_id, category, turns): the shipped dev set by default."""
+    return specbench.prompts(per_group=per_group, path=Path(path) if path else None)
+
+
+def print_summary(res: dict) -> None:
+    rows = res["summary"]
+    print(f"{'setting':14s} {'group':15s} {'n':>3s} {'speedup':>8s} {'predicted':>9s} {'alpha':>6s} {'tok/round':>9s}")
+    for r in rows:
+        print(f"{r['setting']:14s} {r['group']:15s} {r['n']:3d} {r['speedup']:8.3f} {r['predicted']:9.3f} "
+              f"{r['alpha']:6.3f} {r['tokens_per_round']:9.2f}")
+
+
+def dump(res: dict) -> str:
+    return json.dumps(res, indent=1, default=float)

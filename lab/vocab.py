@@ -1,0 +1,120 @@
+"""A trimmed draft's vocabulary: which N tokens its output layer keeps.
+
+Tokens are ranked by how often they occur in the project's training texts (the distillation
+prompts: HumanEval, chat openers, the standard library's code and docs, arithmetic
+problems) and, weighted more, in the target's own answers to training prompts — never in
+Spec-Bench. Tokens never seen follow in id order (Qwen's ids follow BPE merge order, so a
+low id is a common piece). The end-of-sequence ids and the chat template's special tokens
+always stay. At run time the round loop adds the prompt's own tokens (names, numbers).
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from .native import cache_dir
+
+ANSWER_WEIGHT = 4      # an answer token counts as much as this many prompt-text tokens
+DEFAULT_N = 32768      # tokens a trimmed draft keeps unless told otherwise
+
+
+def default_n(draft_name: str) -> int:
+    """The trim a draft gets by default: DEFAULT_N, or none for a tiny model (whose whole
+    vocabulary is smaller)."""
+    from .models import TINY
+    return 0 if draft_name in TINY else DEFAULT_N
+
+
+def counts(token_lists, size: int) -> np.ndarray:
+    """How often each id occurs across the lists."""
+    c = np.zeros(size, np.int64)
+    for ids in token_lists:
+        if len(ids):
+            c += np.bincount(np.asarray(ids, np.int64), minlength=size)[:size]
+    return c
+
+
+def rank(freq: np.ndarray, always=()) -> np.ndarray:
+    """Every id, most frequent first; ties (the unseen above all) in id order; `always` first."""
+    order = np.lexsort((np.arange(freq.size), -freq))
+    first = np.asarray(sorted(set(int(a) for a in always if 0 <= a < freq.size)), np.int64)
+    return np.concatenate([first, order[~np.isin(order, first)]])
+
+
+def keep(ranking: np.ndarray, n: int) -> list[int]:
+    """The N ids a trimmed draft keeps, ascending (rows in id order read like the full layer)."""
+    if not 1 <= n <= ranking.size:
+        raise ValueError(f"a trimmed vocabulary keeps 1 to {ranking.size} tokens, not {n}")
+    return sorted(int(x) for x in ranking[:n])
+
+
+def coverage(kept, samples) -> float:
+    """The share of answer tokens a trimmed draft can propose: kept, or in the sample's prompt."""
+    k = set(kept)
+    hit = total = 0
+    for prompt, answer in samples:
+        have = k | set(prompt)
+        hit += sum(t in have for t in answer)
+        total += len(answer)
+    return hit / max(total, 1)
+
+
+def training_texts() -> list[str]:
+    """Every decontaminated training prompt's text, from every source."""
+    from .distill import data
+    return [p.text for p in data.select(data.SOURCES, per_source=10 ** 9)["prompts"]]
+
+
+def ranking_for(draft_name: str, target, tokenizer_size: int, samples, special=(), progress: bool = True) -> np.ndarray:
+    """The ranking for a draft with this target, cached by the target's content and the
+    answers it was counted from. samples: (prompt ids, answer ids) on training prompts."""
+    import hashlib
+    from .distill.data import tokenize
+    from .models.export import content_id
+    h = hashlib.sha256(repr([(list(p), list(a)) for p, a in samples]).encode()).hexdigest()[:12]
+    path = cache_dir() / "vocab" / f"{draft_name}-{content_id(target.file)[:12]}-{h}.npy"
+    if path.exists():
+        return np.load(path)
+    if progress:
+        print("counting tokens of the training texts ...", file=sys.stderr)
+    texts = tokenize(draft_name, training_texts())
+    freq = counts(texts, tokenizer_size) + ANSWER_WEIGHT * counts([a for _, a in samples], tokenizer_size)
+    r = rank(freq, special)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, r)
+    return r
+
+
+def training_samples(target, target_name: str, per_source: int = 24, max_new_tokens: int = 128,
+                     part: str = "train") -> list[tuple[list[int], list[int]]]:
+    """(prompt, the target's greedy answer) on the training prompts' train or held-out part
+    (answers cached: generated once)."""
+    from .distill import data
+    train, held = data.split(data.select(data.SOURCES, per_source, 0)["prompts"])
+    s = data.answers(target, target_name, train if part == "train" else held, max_new_tokens)
+    return [(x.prompt, x.answer) for x in s]
+
+
+def trimmed_draft_file(draft_name: str, target_name: str, n: int, fmt: str = "q4", scheme: str = "q4-q8out",
+                       progress: bool = True):
+    """The draft's engine file with its output layer trimmed to the n top-ranked tokens for
+    this target (in fmt), exported once into the model cache."""
+    from .engine import Engine
+    from .models.export import engine_file, export
+    from .models.load import load
+    from .models.registry import models_dir
+    out = models_dir() / draft_name / f"{scheme}-v{n}{fmt}-for-{target_name}.lab"
+    if out.exists():
+        return out
+    target = Engine(engine_file(target_name, progress=progress), max_context=4096)
+    m = load(draft_name, tokenizer=True)
+    special = list(m.config.eos_ids)
+    if m.tokenizer is not None:
+        special += list(m.tokenizer.all_special_ids)
+    r = ranking_for(draft_name, target, m.config.tokenizer_size, training_samples(target, target_name),
+                    special, progress)
+    if progress:
+        print(f"exporting {draft_name} trimmed to {n} tokens ({fmt}) ...", file=sys.stderr)
+    meta = {"source": draft_name, "tokenizer": str(m.folder) if m.folder else None, "target": target_name}
+    return export(m.config, m.weights, out, scheme, meta, keep=keep(r, n), keep_fmt=fmt)

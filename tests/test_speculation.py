@@ -1,0 +1,313 @@
+"""Speculation that chooses for itself: a vocabulary-trimmed draft keeps greedy output equal
+to plain and sampling exact; the automatic policy's decisions follow its costs and
+calibration; calibration and cost files refuse other models and machines; the speculative
+benchmark's pairing and equality check can fail."""
+import json
+
+import numpy as np
+import pytest
+
+from lab import native, policy as P, speculative as S, vocab
+from lab.engine import Engine
+from lab.kernels import Pool
+from lab.models import TINY, tiny_weights
+from lab.models import export as ex
+
+from .test_engine import _joint2, chi2, chi2_critical, prompts
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return Pool(min(2, len(__import__("os").sched_getaffinity(0))))
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("spec")
+    c = TINY["tiny-qwen2"]
+    out = {"target": ex.export(c, tiny_weights(c, seed=1), d / "t.lab", "q4-q8out"),
+           "full": ex.export(c, tiny_weights(c, seed=1), d / "f.lab", "q8")}
+    for fmt in ("q8", "q4"):     # the target's own weights, its output cut to every third token
+        out[f"trim-{fmt}"] = ex.export(c, tiny_weights(c, seed=1), d / f"trim-{fmt}.lab", "q8",
+                                       keep=list(range(0, 380, 3)), keep_fmt=fmt)
+    v16 = TINY["tiny-v16"]
+    out["v16"] = ex.export(v16, tiny_weights(v16, seed=1), d / "v16.lab", "f32")
+    out["v16-trim"] = ex.export(v16, tiny_weights(v16, seed=7), d / "v16-trim.lab", "f32",
+                                keep=[0, 2, 3, 4, 5, 6, 7, 9], keep_fmt="q8")
+    return out
+
+
+def costs_for_test(target, draft, c=0.2, slope=0.05, o=0.01) -> P.Costs:
+    """Crafted costs: v(k) = 1 + slope (k - 1) everywhere, a draft step c."""
+    vk = int(native.lib().VK)
+    v = [0.0] + [1 + slope * (k - 1) for k in range(1, vk)]
+    return P.Costs(machine=P.machine_id(target.pool.threads), target=P._content(target), draft=P._content(draft),
+                   contexts=[64, 256], v=[v, v], c=[c, c], o=o, o_sampled=o)
+
+
+def table(draft_p=0.5, first=0.5, nxt=0.5, alpha=0.5) -> P.Table:
+    bins, nmax = int(native.lib().CAL_BINS), int(native.lib().NGRAM_MAX)
+    dp = draft_p if isinstance(draft_p, list) else [draft_p] * bins
+    return P.Table(draft_p=dp, lookup_first=[first] * (nmax + 1), lookup_next=nxt, draft_alpha=alpha, positions=1)
+
+
+# ----------------------------------------------------------------------------
+# The trimmed draft
+# ----------------------------------------------------------------------------
+
+def test_trimmed_logits_are_the_full_models_on_the_kept_rows(files, pool):
+    full = Engine(files["full"], pool=pool, max_context=128)
+    trim = Engine(files["trim-q8"], pool=pool, max_context=128)
+    assert trim.trimmed and not full.trimmed
+    p = [5, 6, 7, 8, 9]
+    want, got = full.forward(p, 0), trim.forward(p, 0)
+    kept = np.isfinite(got)
+    assert (kept.sum(1) == 127).all() and np.array_equal(np.flatnonzero(kept[0]), np.arange(0, 380, 3))
+    np.testing.assert_array_equal(got[kept], want[kept])
+    assert trim.set_extra_rows([1, 2, 3, 4]) == 3               # 3 is kept already
+    got = trim.forward(p, 0)
+    kept = np.isfinite(got[0])
+    assert kept[[1, 2, 4]].all() and kept.sum() == 130
+    np.testing.assert_array_equal(got[:, kept], want[:, kept])  # gathered rows: the same bytes
+    assert trim.set_extra_rows([7]) == 1 and np.isfinite(trim.forward(p, 0)[0]).sum() == 128   # replaced
+    assert trim.weight_bytes < full.weight_bytes
+
+
+def test_a_bad_trim_is_refused(tmp_path):
+    c = TINY["tiny-qwen2"]
+    with pytest.raises(ex.ModelFileError, match="distinct token ids"):
+        ex.export(c, tiny_weights(c), tmp_path / "x.lab", "q8", keep=[1, 1, 2])
+    with pytest.raises(ex.ModelFileError, match="distinct token ids"):
+        ex.export(c, tiny_weights(c), tmp_path / "x.lab", "q8", keep=[1, 999])
+
+
+@pytest.mark.parametrize("fmt", ["q8", "q4"])
+def test_trimmed_draft_keeps_greedy_output_equal_to_plain(files, pool, fmt):
+    target = Engine(files["target"], pool=pool, max_context=512)
+    draft = Engine(files[f"trim-{fmt}"], pool=pool, max_context=512)
+    forcing = P.Policy(costs_for_test(target, draft, c=0.01, slope=0.0), table(0.99, 0.99, 0.99, 0.99), 6)
+    for p in prompts(TINY["tiny-qwen2"], 4, seed=3) + [[5, 6, 7, 5, 6, 7, 5, 6]]:
+        plain = target.generate(p, 40).tokens
+        for gamma in (1, 3, 8):
+            assert target.speculate(p, draft, gamma=gamma, max_new_tokens=40).tokens == plain
+        r = target.speculate(p, draft, policy=forcing, max_new_tokens=40)
+        assert r.tokens == plain and "draft" in r.kinds
+
+
+@pytest.mark.parametrize("mode", ["fixed", "auto"])
+def test_trimmed_draft_samples_the_targets_distribution(files, pool, mode):
+    """The draft proposes only 8 of 16 tokens (q is 0 on the rest, which the target can
+    emit): the engine's samples of the next two tokens still follow the target's joint
+    distribution, enumerated in PyTorch."""
+    T, prompt = 1.5, [3, 9, 1]
+    joint = _joint2(TINY["tiny-v16"], prompt, T)
+    target = Engine(files["v16"], pool=pool, max_context=64)
+    draft = Engine(files["v16-trim"], pool=pool, max_context=64)
+    assert set(draft.kept_ids) == {0, 2, 3, 4, 5, 6, 7, 9}
+    assert joint.sum(1)[[1, 8, 11, 15]].min() > 0.04 and joint.sum(0)[[10, 14]].min() > 0.1   # never proposed
+    forcing = P.Policy(costs_for_test(target, draft, c=0.01, slope=0.0), table(0.99, 0.0, 0.0, 0.99), 3)
+    counts = np.zeros((16, 16))
+    for seed in range(8000):
+        kw = dict(gamma=(seed % 3) + 1) if mode == "fixed" else dict(policy=forcing)
+        t = target.speculate(prompt, draft, max_new_tokens=2, temperature=T, seed=seed, **kw).tokens
+        counts[t[0], t[1]] += 1
+    stat, df = chi2(counts.ravel(), joint.ravel())
+    assert stat < chi2_critical(df), (stat, df)
+
+
+# ----------------------------------------------------------------------------
+# The policy's decisions
+# ----------------------------------------------------------------------------
+
+def _plan(costs, rate=1.0, context=100):
+    pol = P.Policy(costs, table(), 8).native()
+    return native.lib().RoundPlan(pol, context, rate), pol
+
+
+def test_a_guess_is_taken_while_it_pays_for_itself(files, pool):
+    t = Engine(files["target"], pool=pool, max_context=64)
+    plan, keep = _plan(costs_for_test(t, t, c=0.2, slope=0.05))
+    assert plan.worth(0.26, True) and not plan.worth(0.24, True)       # 0.25 = c + v(2) - v(1)
+    assert plan.worth(0.06, False) and not plan.worth(0.04, False)     # a lookup guess: only v's step
+    plan.take(0.5, True)
+    assert plan.g == 1 and plan.reach == pytest.approx(0.5) and plan.tokens == pytest.approx(1.5)
+    assert not plan.worth(0.4, True)                                    # 0.5 * 0.4 < 0.25
+    fast, keep2 = _plan(costs_for_test(t, t, c=0.2, slope=0.05), rate=2.0)
+    assert not fast.worth(0.4, True)                                    # a run making 2 tokens a step wants 0.5
+
+
+def test_costs_follow_the_context(files, pool):
+    t = Engine(files["target"], pool=pool, max_context=64)
+    c = costs_for_test(t, t)
+    c.c = [0.1, 0.3]
+    c.v[1] = [0.0] + [1 + 0.25 * (k - 1) for k in range(1, len(c.v[1]))]
+    for ctx, want_c, want_v2 in ((10, 0.1, 1.05), (160, 0.2, 1.15), (999, 0.3, 1.25)):
+        plan, keep = _plan(c, context=ctx)
+        assert plan.c == pytest.approx(want_c) and plan.v[2] == pytest.approx(want_v2)
+
+
+def test_the_round_loop_picks_lookup_draft_or_plain(files, pool):
+    target = Engine(files["target"], pool=pool, max_context=512)
+    draft = Engine(files["trim-q8"], pool=pool, max_context=512)
+    p = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    plain = target.generate(p, 32).tokens
+    costs = costs_for_test(target, draft, c=0.3)
+    never = target.speculate(p, draft, policy=P.Policy(costs, table(0.0, 0.0, 0.0, 0.0), 6), max_new_tokens=32)
+    assert set(never.kinds) == {"plain"} and never.tokens == plain
+    drafts = target.speculate(p, draft, policy=P.Policy(costs, table(1.0, 0.0, 0.0, 1.0), 6), max_new_tokens=32)
+    assert set(drafts.kinds) == {"draft"} and all(g == 6 for g, _ in drafts.per_round[:-1])
+    looks = target.speculate(p, draft, policy=P.Policy(costs, table(0.1, 0.95, 0.95, 0.1), 6), max_new_tokens=32)
+    assert looks.kinds[0] == "lookup" and looks.tokens == plain
+    alone = target.speculate(p, None, policy=P.Policy(costs_for_test(target, None), table(0.0, 0.95, 0.95), 6),
+                             max_new_tokens=32)
+    assert "draft" not in alone.kinds and alone.kinds[0] == "lookup" and alone.tokens == plain
+
+
+def test_isotonic_calibration_never_falls():
+    y = np.array([0.1, 0.5, 0.3, 0.2, 0.9, 0.8])
+    fit = P.isotonic(y, np.ones(6))
+    assert (np.diff(fit) >= -1e-12).all()
+    assert fit.mean() == pytest.approx(y.mean())
+    assert P._binned(np.array([0.05, 0.05, 0.95]), np.array([1.0, 1.0, 0.0]), 4) == pytest.approx([0.5] * 4, abs=0.3)
+
+
+# ----------------------------------------------------------------------------
+# Calibration and cost files
+# ----------------------------------------------------------------------------
+
+def test_calibration_round_trips_and_refuses_other_models(files, pool, tmp_path):
+    target = Engine(files["target"], pool=pool, max_context=512)
+    draft = Engine(files["trim-q8"], pool=pool, max_context=512)
+    samples = [(p, target.generate(p, 24).tokens) for p in prompts(TINY["tiny-qwen2"], 3, seed=5)]
+    cal = P.calibrate(target, draft, samples, progress=False)
+    assert set(cal.tables) == {"0.0", "0.7", "1.0"} and cal.tables["0.0"].positions == 72
+    path = P.save_calibration(cal, target, draft)
+    assert path.parent == draft.file.parent and path.exists()
+    assert P.load_calibration(path, target, draft) == cal
+    assert cal.table(0.8) == cal.tables["0.7"] and cal.table(0.0) == cal.tables["0.0"]
+    other = Engine(files["full"], pool=pool, max_context=512)
+    with pytest.raises(P.PolicyFileError, match=r"made for target .* this is target"):
+        P.load_calibration(path, other, draft)
+    path.write_text("{not json")
+    with pytest.raises(P.PolicyFileError, match="not a calibration file"):
+        P.load_calibration(path, target, draft)
+
+
+def test_costs_from_another_machine_are_refused(files, pool, tmp_path):
+    target = Engine(files["target"], pool=pool, max_context=512)
+    c = costs_for_test(target, None)
+    path = tmp_path / "costs.json"
+    P._save(path, c)
+    assert P.load_costs(path, target, None) == c
+    c.machine = {**c.machine, "cpu": "Some Other CPU"}
+    P._save(path, c)
+    with pytest.raises(P.PolicyFileError, match="measured on .*Some Other CPU.* this is"):
+        P.load_costs(path, target, None)
+
+
+def test_measured_costs_are_cached_per_machine_and_pair(files, pool, tmp_path, monkeypatch):
+    monkeypatch.setenv("LAB_CACHE", str(tmp_path))
+    target = Engine(files["target"], pool=pool, max_context=256)
+    draft = Engine(files["trim-q4"], pool=pool, max_context=256)
+    c = P.costs_for(target, draft, progress=False)
+    assert c.contexts and len(c.v[0]) == 10 and c.v[0][1] == 1.0 and 0 < c.c[0]
+    assert P.costs_path(target, draft).exists() and P.costs_for(target, draft, progress=False) == c
+
+
+# ----------------------------------------------------------------------------
+# The vocabulary ranking
+# ----------------------------------------------------------------------------
+
+def test_ranking_puts_frequent_then_low_ids_first():
+    freq = vocab.counts([[5, 5, 5, 2], [2, 9]], 12)
+    r = vocab.rank(freq, always=[11])
+    assert r.tolist()[:4] == [11, 5, 2, 9] and r.tolist()[4:] == [0, 1, 3, 4, 6, 7, 8, 10]
+    assert vocab.keep(r, 3) == [2, 5, 11]
+    assert vocab.coverage([2, 5], [([9], [5, 9, 1, 2])]) == 0.75
+    with pytest.raises(ValueError):
+        vocab.keep(r, 0)
+
+
+# ----------------------------------------------------------------------------
+# The benchmark
+# ----------------------------------------------------------------------------
+
+class FakeRun:
+    def __init__(self, tokens, tps):
+        self.tokens, self.tokens_per_s = tokens, tps
+        self.tokens_per_round, self.acceptance, self.rounds, self.prompt_tokens = 2.0, 0.5, 1, 4
+        self.per_round, self.kinds = [(1, 1)], ["draft"]
+
+
+class FakeTarget:
+    """Plain runs at the speeds given in turn; speculative runs at 60 tokens/s."""
+
+    def __init__(self, plain_speeds, spec_tokens=None):
+        self.speeds, self.spec_tokens, self.calls = list(plain_speeds), spec_tokens, []
+
+    def generate(self, ids, n, **kw):
+        self.calls.append("plain")
+        return FakeRun([1, 2, 3], self.speeds.pop(0))
+
+    def speculate(self, ids, d, **kw):
+        self.calls.append("spec")
+        return FakeRun(self.spec_tokens or [1, 2, 3], 60.0)
+
+
+PROMPT = [{"id": 1, "group": "qa", "turns": ["a question"]}]
+
+
+def test_bench_brackets_each_run_with_plain_runs():
+    t = FakeTarget([40.0, 40.0])
+    res = S.run(t, {"draft": None}, PROMPT, [S.Setting("lookup", 2)], target_name="tiny-qwen2", progress=False)
+    assert t.calls == ["plain", "spec", "plain"]
+    assert res["rows"][0]["speedup"] == pytest.approx(1.5) and res["rows"][0]["tries"] == 1
+    assert res["summary"][-1]["group"] == "overall" and res["summary"][-1]["speedup"] == pytest.approx(1.5)
+
+
+def test_a_bandwidth_flip_reruns_the_bracket():
+    """Plain at 46 then 72 tokens/s around the speculative run: not a pair to trust."""
+    t = FakeTarget([46.0, 72.0, 50.0, 50.0])
+    res = S.run(t, {"draft": None}, PROMPT, [S.Setting("lookup", 2)], target_name="tiny-qwen2", progress=False)
+    assert t.calls == ["plain", "spec", "plain"] * 2
+    assert res["rows"][0]["tries"] == 2 and res["rows"][0]["speedup"] == pytest.approx(1.2)
+
+
+def test_bench_fails_loudly_when_speculation_differs():
+    t = FakeTarget([40.0, 40.0], spec_tokens=[1, 2, 4])
+    with pytest.raises(S.SpeculationMismatch, match="differs from plain at token 2"):
+        S.run(t, {"draft": None}, PROMPT, [S.Setting("lookup", 2)], target_name="tiny-qwen2", progress=False)
+
+
+def test_multiturn_prompts_see_their_own_answers():
+    conv = S.Conversation("tiny-qwen2")
+    one = conv.ids(["ab"], [])
+    two = conv.ids(["ab", "c"], [[7, 8]])
+    assert two[:len(one)] == one and two[len(one):len(one) + 2] == [7, 8]
+
+
+def test_lab_bench_speculative_runs_tiny_models(tmp_path):
+    import os
+    import subprocess
+    import sys
+    p = tmp_path / "p.jsonl"
+    p.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": t}) for i, (c, t) in
+                           enumerate([("qa", ["1 2 3 1 2 3 1 2"]), ("writing", ["5 6 7", "again 5 6 7"])])))
+    env = dict(os.environ, LAB_MODELS=str(tmp_path / "m"), LAB_CACHE=str(tmp_path / "c"))
+    r = subprocess.run([sys.executable, "-m", "lab.cli", "bench", "speculative", "--model", "tiny-qwen2",
+                        "--draft", "tiny-qwen2-draft", "--prompts", str(p), "--gamma", "1,3",
+                        "--max-new-tokens", "10", "--json"], capture_output=True, text=True, env=env, timeout=600,
+                       cwd=native.SOURCE_DIR.parent)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(r.stdout)
+    assert len(res["rows"]) == 6 and {x["turn"] for x in res["rows"]} == {1, 2}
+    assert all(x["equal_to_plain"] for x in res["rows"])
+    assert {x["group"] for x in res["summary"]} == {"qa", "multiturn", "overall"}
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1, "category": "qa"}\n')
+    r = subprocess.run([sys.executable, "-m", "lab.cli", "bench", "speculative", "--model", "tiny-qwen2",
+                        "--draft", "lookup", "--prompts", str(bad), "--gamma", "2"], capture_output=True,
+                       text=True, env=env, timeout=600, cwd=native.SOURCE_DIR.parent)
+    assert r.returncode == 2 and "bad.jsonl:1: a prompt needs question_id, category and turns" in r.stderr
