@@ -151,7 +151,7 @@ def cmd_bench_speculative(args) -> int:
             policy.save_calibration(cal, target, draft)
         pol = policy.policy_for(target, draft, args.temperature, max_gamma=args.max_gamma)
     res = speculative.run(target, {"draft": draft}, prompts, chosen, args.max_new_tokens, args.temperature,
-                          args.seed, costs, pol, args.model, progress=not args.json)
+                          args.seed, {"draft": costs}, {"draft": pol}, args.model, progress=not args.json)
     res = {"machine": machine(), "commit": commit(), "target": args.model, "draft": args.draft,
            "draft_file": str(draft.file) if draft is not None else None, "policy": pol_name,
            "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "threads": pool.threads,

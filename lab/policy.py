@@ -205,9 +205,9 @@ def _binned(conf: np.ndarray, acc: np.ndarray, bins: int) -> list[float]:
 
 
 def _softmax(x: np.ndarray, t: float) -> np.ndarray:
-    z = (x - x.max(-1, keepdims=True)) / t
-    e = np.exp(z)
-    return e / e.sum(-1, keepdims=True)
+    """float32 rows (-inf allowed), summed in float64."""
+    e = np.exp((x - x.max(-1, keepdims=True)) / np.float32(t))
+    return e / e.sum(-1, keepdims=True, dtype=np.float64).astype(np.float32)
 
 
 def teacher_forced(engine, prompt: list[int], answer: list[int], chunk: int = 16):
@@ -228,6 +228,22 @@ def lookup(ctx: list[int], ngram_max: int, gamma: int) -> tuple[int, list[int]]:
     return int(matched[0]), out[:g].tolist()
 
 
+def _lookup_rounds(prompt: list[int], answer: list[int], ngram_max: int, gamma: int) -> list:
+    """At each position j where lookup matches: (j, n-gram length, the guesses a round would
+    verify along the target's text -- up to and including the first wrong one)."""
+    out = []
+    for j in range(len(answer)):
+        n, cont = lookup(prompt + answer[:j], ngram_max, gamma)
+        guesses = []
+        for i, tok in enumerate(cont[:len(answer) - j]):
+            guesses.append(tok)
+            if tok != answer[j + i]:
+                break
+        if guesses:
+            out.append((j, n, guesses))
+    return out
+
+
 def calibrate(target, draft, samples, temperatures=TEMPERATURES, ngram_max: int = 3,
               progress: bool = True) -> Calibration:
     """Fits the tables on (prompt ids, answer ids) pairs, the answers being the target's
@@ -237,25 +253,22 @@ def calibrate(target, draft, samples, temperatures=TEMPERATURES, ngram_max: int 
     bins, nmax, _, _, max_k = _consts()
     rec = {t: {"conf": [], "acc": [], "lf": [[] for _ in range(nmax + 1)], "ln": []} for t in temperatures}
     for prompt, answer in tqdm(samples, desc="calibration", unit="prompt", disable=not progress, file=sys.stderr):
+        ans = np.asarray(answer)
+        runs = _lookup_rounds(prompt, answer, ngram_max, max_k)
         if draft is not None:
             draft.set_extra_rows(prompt)
-        tgt = np.concatenate([x for _, x in teacher_forced(target, prompt, answer)])
-        drf = np.concatenate([x for _, x in teacher_forced(draft, prompt, answer)]) if draft is not None else None
+            drf = np.concatenate([x for _, x in teacher_forced(draft, prompt, answer)])
+        tgt = np.concatenate([x for _, x in teacher_forced(target, prompt, answer)]) if any(temperatures) else None
         for t in temperatures:
             r = rec[t]
-            p = _softmax(tgt.astype(np.float64), t or 1.0)
-            if drf is not None:
-                q = _softmax(drf.astype(np.float64), t or 1.0)
+            p = _softmax(tgt, t) if t else None
+            if draft is not None:
+                q = _softmax(drf, t or 1.0)
                 r["conf"].append(q.max(-1))
-                r["acc"].append((drf.argmax(-1) == np.asarray(answer)).astype(float) if t == 0
-                                else np.minimum(p, q).sum(-1))
-            for j in range(len(answer)):
-                n, cont = lookup(prompt + answer[:j], ngram_max, max_k)
-                for i, tok in enumerate(cont[:len(answer) - j]):
-                    a = float(tok == answer[j + i]) if t == 0 else float(p[j + i, tok])
-                    (r["lf"][n] if i == 0 else r["ln"]).append(a)
-                    if tok != answer[j + i]:
-                        break
+                r["acc"].append((drf.argmax(-1) == ans).astype(float) if not t else np.minimum(p, q).sum(-1))
+            for j, n, cont in runs:
+                for i, tok in enumerate(cont):
+                    (r["lf"][n] if i == 0 else r["ln"]).append(float(tok == answer[j + i]) if not t else float(p[j + i, tok]))
     tables = {}
     for t, r in rec.items():
         conf = np.concatenate(r["conf"]) if r["conf"] else np.zeros(0)

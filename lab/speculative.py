@@ -32,10 +32,12 @@ class SpeculationMismatch(LabError):
 class Setting:
     drafter: str                 # "draft" or "lookup" (fixed), or "auto"
     gamma: int | None = None     # fixed settings
+    draft: str = "draft"         # which of run()'s drafts (and, for "auto", policies)
 
     @property
     def label(self) -> str:
-        return "auto" if self.drafter == "auto" else f"{self.drafter} γ={self.gamma}"
+        name = "" if self.draft == "draft" or self.drafter == "lookup" else f" ({self.draft})"
+        return ("auto" if self.drafter == "auto" else f"{self.drafter} γ={self.gamma}") + name
 
 
 def settings(draft: str | None, policy: str, gammas) -> list[Setting]:
@@ -105,22 +107,23 @@ def _bracket(target, ids, runs, max_new_tokens, temperature, seed):
 
 
 def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], max_new_tokens: int = 128,
-        temperature: float = 0.0, seed: int = 0, costs=None, policy=None, target_name: str = "",
-        progress: bool = True) -> dict:
-    """drafts: {"draft": Engine or None}; policy: the automatic Policy (for "auto").
+        temperature: float = 0.0, seed: int = 0, costs: dict | None = None, policies: dict | None = None,
+        target_name: str = "", progress: bool = True) -> dict:
+    """drafts: name -> Engine or None (lookup alone); costs and policies: the same names ->
+    this machine's Costs (for the predictions) and automatic Policy (for "auto" settings).
     -> {"rows": per prompt turn and setting, "summary": per group and overall}"""
     from tqdm.auto import tqdm
     conv = Conversation(target_name)
-    draft = drafts.get("draft")
+    costs, policies = costs or {}, policies or {}
     rows = []
     turns_total = sum(len(p["turns"]) for p in prompts)
     bar = tqdm(total=turns_total, desc="speculative bench", unit="turn", disable=not progress, file=sys.stderr)
 
     def spec(ids, s: Setting):
-        d = "lookup" if s.drafter == "lookup" else draft
+        d = "lookup" if s.drafter == "lookup" else drafts.get(s.draft)
         kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         if s.drafter == "auto":
-            return lambda: target.speculate(ids, d, policy=policy, **kw)
+            return lambda: target.speculate(ids, d, policy=policies[s.draft], **kw)
         return lambda: target.speculate(ids, d, gamma=s.gamma, **kw)
 
     for p in prompts:
@@ -142,7 +145,7 @@ def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], 
                         f"at token {next(i for i, (x, y) in enumerate(zip(r.tokens + [-1], a.tokens + [-2])) if x != y)}")
                 rows.append({"id": p["id"], "group": p["group"], "turn": turn + 1, "setting": s.label,
                              "new_tokens": len(r.tokens), "speedup": r.tokens_per_s / plain_tps,
-                             "predicted": predicted(r, costs), "tokens_per_round": r.tokens_per_round,
+                             "predicted": predicted(r, costs.get(s.draft)), "tokens_per_round": r.tokens_per_round,
                              "alpha": r.acceptance, "equal_to_plain": equal, "plain_tokens_per_s": plain_tps,
                              "plain_spread": a.tokens_per_s / b.tokens_per_s - 1, "tries": tries,
                              "rounds": {k: r.kinds.count(k) for k in ("draft", "lookup", "plain")}})

@@ -86,12 +86,12 @@ def ranking_for(draft_name: str, target, tokenizer_size: int, samples, special=(
     return r
 
 
-def training_samples(target, target_name: str, per_source: int = 24, max_new_tokens: int = 128,
+def training_samples(target, target_name: str, sources=None, per_source: int = 24, max_new_tokens: int = 128,
                      part: str = "train") -> list[tuple[list[int], list[int]]]:
     """(prompt, the target's greedy answer) on the training prompts' train or held-out part
     (answers cached: generated once)."""
     from .distill import data
-    train, held = data.split(data.select(data.SOURCES, per_source, 0)["prompts"])
+    train, held = data.split(data.select(sources or data.SOURCES, per_source, 0)["prompts"])
     s = data.answers(target, target_name, train if part == "train" else held, max_new_tokens)
     return [(x.prompt, x.answer) for x in s]
 
@@ -118,3 +118,42 @@ def trimmed_draft_file(draft_name: str, target_name: str, n: int, fmt: str = "q4
         print(f"exporting {draft_name} trimmed to {n} tokens ({fmt}) ...", file=sys.stderr)
     meta = {"source": draft_name, "tokenizer": str(m.folder) if m.folder else None, "target": target_name}
     return export(m.config, m.weights, out, scheme, meta, keep=keep(r, n), keep_fmt=fmt)
+
+
+def curve(target, draft_name: str, target_name: str, ns=(8192, 16384, 32768, 65536), fmt: str = "q4",
+          samples=(), context: int = 512, rounds: int = 5, progress: bool = True) -> list[dict]:
+    """c, greedy α per group and coverage of the draft trimmed to each N (0: the stock draft).
+    c: draft steps over target steps at `context`, all drafts interleaved with the target in
+    one run; α: teacher-forced along the target's greedy answers, samples = [(group, prompt,
+    answer)], each draft scoring the prompt's own tokens as the round loop does."""
+    from tqdm.auto import tqdm
+    from . import bench
+    from .engine import Engine
+    from .models.export import engine_file
+    from .policy import teacher_forced
+    files = {n: trimmed_draft_file(draft_name, target_name, n, fmt, progress=progress) if n else engine_file(draft_name)
+             for n in ns}
+    drafts = {n: Engine(f, pool=target.pool, max_context=target.max_context) for n, f in files.items()}
+    ids = bench._fill(target, context)
+    for d in drafts.values():
+        d.forward(ids, 0, logits="none")
+    one = ids[-1:].copy()
+    cands = {"target": lambda: bench._forward_samples(target, one, context, 1, 3)}
+    cands.update({n: (lambda d=d: bench._forward_samples(d, one, context, 1, 3)) for n, d in drafts.items()})
+    timed = bench.interleave(cands, rounds)
+    rows = []
+    for n, d in tqdm(drafts.items(), desc="α per N", unit="draft", disable=not progress, file=sys.stderr):
+        hits: dict[str, list[float]] = {}
+        for group, prompt, answer in samples:
+            d.set_extra_rows(prompt)
+            logits = np.concatenate([x for _, x in teacher_forced(d, prompt, answer)])
+            hits.setdefault(group, []).extend((logits.argmax(-1) == np.asarray(answer)).tolist())
+        kept = d.kept_ids[:n] if n else None
+        row = {"N": n or int(d.vocab), "trimmed": bool(n), "format": fmt if n else "stock",
+               "c": bench.paired_ratio(timed[n], timed["target"])["median"],
+               "step_ms": float(np.median(bench.flat(timed[n]))) * 1e3,
+               "alpha": float(np.mean([h for v in hits.values() for h in v])) if hits else float("nan"),
+               "coverage": coverage(kept, [(p, a) for _, p, a in samples]) if n else 1.0}
+        row.update({f"alpha_{g}": float(np.mean(v)) for g, v in hits.items()})
+        rows.append(row)
+    return rows
