@@ -52,12 +52,42 @@ namespace {
 
 int conf_bin(float p) { return std::clamp((int)(p * CAL_BINS), 0, CAL_BINS - 1); }
 
-// A running tokens-per-target-step, started from a prior worth a few rounds.
+// A running tokens-per-target-step over the last ~10 rounds of a kind, started from a prior;
+// while the kind is not chosen it drifts back toward the prior, so one bad stretch does not
+// rule it out for the rest of the run.
 struct Rate {
-    double tokens, cost;
-    explicit Rate(float prior) : tokens(8.0 * prior), cost(8.0) {}
-    void add(double t, double c) { tokens += t; cost += c; }
+    static constexpr double KEEP = 0.9, DRIFT = 0.05;
+    double prior, tokens, cost;
+    explicit Rate(float p) : prior(p), tokens(4.0 * p), cost(4.0) {}
+    void add(double t, double c) { tokens = KEEP * tokens + t; cost = KEEP * cost + c; }
+    void idle() { tokens += DRIFT * prior; cost += DRIFT; }
     float value() const { return (float)(tokens / cost); }
+};
+
+// How often lookup's guesses are accepted in this run, started from the calibration (worth
+// PRIOR guesses each): a prompt's own text can be far more or less repetitive than training's.
+struct LookupOdds {
+    static constexpr double PRIOR = 4.0;
+    double first_hits[NGRAM_MAX + 1], first_tries[NGRAM_MAX + 1], next_hits, next_tries;
+    explicit LookupOdds(const Policy* p) {
+        for (int n = 0; n <= NGRAM_MAX; n++) {
+            first_hits[n] = PRIOR * (p ? p->lookup_first[n] : 0.f);
+            first_tries[n] = PRIOR;
+        }
+        next_hits = PRIOR * (p ? p->lookup_next : 0.f);
+        next_tries = PRIOR;
+    }
+    float first(int n) const { return (float)(first_hits[n] / first_tries[n]); }
+    float next() const { return (float)(next_hits / next_tries); }
+    // g guesses after an n-gram match, n_acc of them accepted (the rest unseen past the first miss)
+    void add(int n, int g, int n_acc) {
+        first_tries[n] += 1;
+        first_hits[n] += n_acc > 0;
+        if (n_acc > 0) {
+            next_tries += std::min(g, n_acc + 1) - 1;
+            next_hits += n_acc - 1;
+        }
+    }
 };
 
 struct Timer {
@@ -123,10 +153,10 @@ int Generator::run(const int32_t* prompt, int n_prompt, const GenParams& gp, int
             dpos = tpos;
         }
     }
-    // The automatic policy's running estimates: tokens per target step overall and in draft
-    // rounds, and how often a first draft guess is accepted.
-    Rate rate(pol && use_draft ? pol->draft_rate : 1.f), draft_rate(pol ? pol->draft_rate : 1.f);
-    double first_hits = 4.0 * (pol ? pol->draft_p[CAL_BINS / 2] : 0.f), first_tries = 4.0;
+    // The automatic policy's running estimates: tokens per target step in draft rounds and
+    // overall (what a lookup guess must earn per unit of cost), and lookup's odds.
+    Rate draft_rate(pol && use_draft ? pol->draft_rate : 1.f), rate(pol && use_draft ? pol->draft_rate : 1.f);
+    LookupOdds odds(pol);
 
     // One draft guess from dl: the token, its warped distribution in q (sampling), and the
     // draft's confidence (its top probability, warped when sampling).
@@ -149,30 +179,35 @@ int Generator::run(const int32_t* prompt, int n_prompt, const GenParams& gp, int
     int32_t guess[MAX_K], lguess[MAX_K];
     bool stop = false;
     while (!stop) {
-        int g = 0, kind = ROUND_PLAIN;
-        RoundPlan plan = pol ? RoundPlan(*pol, (int)ctx.size(), rate.value()) : RoundPlan(Policy{}, 0, 1.f);
-        // -- choose: in the automatic policy, lookup when its planned round pays better than
-        // the draft's rounds have; the draft when its first guess is worth a step ----------
+        int g = 0, kind = ROUND_PLAIN, matched = 0;
+        // A draft round's guesses must earn what draft rounds make per step.
+        RoundPlan plan = pol ? RoundPlan(*pol, (int)ctx.size(), draft_rate.value()) : RoundPlan(Policy{}, 0, 1.f);
+        // -- choose, in the automatic policy, the kind of round expected to make the most
+        // tokens per step: lookup as planned from its odds, the draft as its rounds have
+        // made, or a plain step -------------------------------------------------------------
         bool draft_now = gp.mode == GEN_DRAFT, lookup_now = gp.mode == GEN_LOOKUP;
         if (autop) {
             Timer t(stats_.t_draft);
-            int matched = 0;
-            const int gl = lookup_ngram(ctx.data(), (int)ctx.size(), gp.ngram_max, max_g, lguess, &matched);
-            RoundPlan lp = plan;
+            const int gl = lookup_ngram(ctx.data(), (int)ctx.size(), std::clamp(pol->ngram_max, 1, NGRAM_MAX), max_g,
+                                        lguess, &matched);
+            RoundPlan lp(*pol, (int)ctx.size(), rate.value());
+            matched = std::min(matched, NGRAM_MAX);
             for (int i = 0; i < gl; i++) {
-                const float a = i ? pol->lookup_next : pol->lookup_first[std::min(matched, NGRAM_MAX)];
+                const float a = i ? odds.next() : odds.first(matched);
                 if (!lp.worth(a, false)) break;
                 lp.take(a, false);
             }
-            const float a1 = (float)(first_hits / first_tries);
-            draft_now = use_draft && plan.worth(a1, true) &&
-                        (lp.g == 0 || lp.efficiency() < draft_rate.value());
-            if (!draft_now && lp.g > 0) {
+            const float e_plain = 1.f / plan.cost, e_lookup = lp.g ? lp.efficiency() : 0.f;
+            const float e_draft = use_draft ? draft_rate.value() : 0.f;
+            if (lp.g && e_lookup >= std::max(e_draft, e_plain)) {
                 g = lp.g;
                 std::copy(lguess, lguess + g, guess);
                 plan = lp;
                 kind = ROUND_LOOKUP;
+            } else {
+                draft_now = e_draft > e_plain;
             }
+            if (use_draft && !draft_now) draft_rate.idle();
         }
         // -- draft ------------------------------------------------------------------------
         if (draft_now) {
@@ -261,11 +296,8 @@ int Generator::run(const int32_t* prompt, int n_prompt, const GenParams& gp, int
             const double made = (double)(ctx.size() - before);
             const double cost = (kind == ROUND_DRAFT ? g * plan.c : 0.0) + plan.v[g + 1] + plan.o;
             rate.add(made, cost);
-            if (kind == ROUND_DRAFT) {
-                draft_rate.add(made, cost);
-                first_hits += n_acc > 0;
-                first_tries += 1;
-            }
+            if (kind == ROUND_DRAFT) draft_rate.add(made, cost);
+            if (kind == ROUND_LOOKUP) odds.add(matched, g, n_acc);
         }
         if (stats_.rounds < max_rounds && drafted) {
             drafted[stats_.rounds] = g;

@@ -378,6 +378,7 @@ struct Policy {
     float draft_p[CAL_BINS] = {};    // P(a guess is accepted | the draft's top probability), the guesses before it accepted
     float lookup_first[NGRAM_MAX + 1] = {};   // P(the first lookup guess is accepted | n-gram length matched)
     float lookup_next = 0.f;         // P(a later lookup guess is accepted | the one before was)
+    int ngram_max = 3;               // the longest n-gram lookup matches (as calibrated; <= NGRAM_MAX)
     float draft_rate = 1.f;          // tokens per target step the draft is expected to give (before any round says)
 };
 

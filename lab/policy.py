@@ -244,7 +244,7 @@ def _lookup_rounds(prompt: list[int], answer: list[int], ngram_max: int, gamma: 
     return out
 
 
-def calibrate(target, draft, samples, temperatures=TEMPERATURES, ngram_max: int = 3,
+def calibrate(target, draft, samples, temperatures=TEMPERATURES, ngram_max: int = 8,
               progress: bool = True) -> Calibration:
     """Fits the tables on (prompt ids, answer ids) pairs, the answers being the target's
     greedy text: along it, a guess at position j is accepted, given every guess before it
@@ -282,11 +282,11 @@ def calibrate(target, draft, samples, temperatures=TEMPERATURES, ngram_max: int 
                        prompts=len(samples), tables=tables)
 
 
-def prior_calibration(target, draft, ngram_max: int = 3) -> Calibration:
+def prior_calibration(target, draft, ngram_max: int = 8) -> Calibration:
     """Before any fit: acceptance = the draft's confidence; lookup by match length."""
     bins, nmax, *_ = _consts()
     tab = Table(draft_p=((np.arange(bins) + 0.5) / bins).tolist(),
-                lookup_first=[0.0] + [min(0.9, 0.3 + 0.15 * n) for n in range(1, nmax + 1)],
+                lookup_first=[0.0] + [min(0.9, 0.2 + 0.1 * n) for n in range(1, nmax + 1)],
                 lookup_next=0.7, draft_alpha=0.6 if draft is not None else 0.0, positions=0)
     return Calibration(target=_content(target), draft=_content(draft), ngram_max=ngram_max, prompts=0,
                        tables={"0.0": tab})
@@ -311,14 +311,16 @@ class Policy:
     costs: Costs
     table: Table
     max_gamma: int = 8
+    ngram_max: int = 8               # lookup's longest n-gram, as the table was fitted
 
     def draft_rate(self) -> float:
-        """The speedup the draft alone is expected to give at its best γ (its prior in the loop)."""
+        """The speedup the draft alone is expected to give at its best γ (its prior in the loop;
+        below 1 the loop starts out preferring plain steps)."""
         if self.costs.draft is None:
-            return 1.0
+            return 0.0
         v, c = self.costs.at(512)
         gammas = [g for g in range(1, self.max_gamma + 1) if g + 1 in v]
-        return max(1.0, spec.best_gamma(self.table.draft_alpha, c, v, self.costs.o, gammas)[1])
+        return spec.best_gamma(self.table.draft_alpha, c, v, self.costs.o, gammas)[1]
 
     def native(self):
         """The C++ lab::Policy (keep it alive while a generation runs on it)."""
@@ -331,13 +333,14 @@ class Policy:
         p.max_gamma, p.n_ctx, p.o = self.max_gamma, len(self.costs.contexts), self.costs.o
         for i, (ctx, c, v) in enumerate(zip(self.costs.contexts, self.costs.c, self.costs.v)):
             p.ctx[i], p.c[i] = ctx, c
+            v = [0.0, *isotonic(np.asarray(v[1:]), np.ones(len(v) - 1))]   # a longer pass never costs less
             for k in range(vk):
                 p.v[i * vk + k] = v[min(k, len(v) - 1)]
         for i, x in enumerate(self.table.draft_p[:bins]):
             p.draft_p[i] = x
         for i, x in enumerate(self.table.lookup_first[:nmax + 1]):
             p.lookup_first[i] = x
-        p.lookup_next, p.draft_rate = self.table.lookup_next, self.draft_rate()
+        p.lookup_next, p.draft_rate, p.ngram_max = self.table.lookup_next, self.draft_rate(), self.ngram_max
         return p
 
 
@@ -357,4 +360,4 @@ def policy_for(target, draft=None, temperature: float = 0.0, max_gamma: int = 8,
                   f"--calibrate)", file=sys.stderr)
             _warned.add(path)
         calib = prior_calibration(target, draft)
-    return Policy(costs, calib.table(temperature), max_gamma)
+    return Policy(costs, calib.table(temperature), max_gamma, calib.ngram_max)
