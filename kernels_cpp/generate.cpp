@@ -215,10 +215,10 @@ int Generator::run(const int32_t* prompt, int n_prompt, const GenParams& gp, int
             kind = ROUND_DRAFT;
             int n_in = (int)ctx.size() - dpos;         // catch up, the pending token included
             const int32_t* in = ctx.data() + dpos;
-            float a = 0.f;
+            float a_next = 0.f;                        // the next guess's odds, from this one's confidence
             for (; g < max_g; g++) {
                 if (g > 0) {                           // one more draft step: worth it?
-                    if (autop && !plan.worth(a, true)) break;
+                    if (autop && !plan.worth(a_next, true)) break;
                     in = &guess[g - 1];
                     n_in = 1;
                 }
@@ -230,9 +230,10 @@ int Generator::run(const int32_t* prompt, int n_prompt, const GenParams& gp, int
                 const int32_t tok = pick(g, &conf);
                 if (g > 0 && gp.threshold > 0.f && conf < gp.threshold) break;
                 if (autop) {
-                    a = pol->draft_p[conf_bin(conf)];
+                    const float a = pol->draft_p[conf_bin(conf)];
                     if (g > 0 && !plan.worth(a, false)) break;   // its step is paid; is its verification?
                     plan.take(a, true);
+                    a_next = pol->draft_next[conf_bin(conf)];
                 }
                 guess[g] = tok;
             }

@@ -376,6 +376,7 @@ struct Policy {
     float v[COST_CONTEXTS * VK] = {};    // [context][k]: a k-token pass over a 1-token pass
     float o = 0.f;                   // a round's overhead over a target step
     float draft_p[CAL_BINS] = {};    // P(a guess is accepted | the draft's top probability), the guesses before it accepted
+    float draft_next[CAL_BINS] = {}; // P(the next guess is accepted | this one's top probability, this one accepted)
     float lookup_first[NGRAM_MAX + 1] = {};   // P(the first lookup guess is accepted | n-gram length matched)
     float lookup_next = 0.f;         // P(a later lookup guess is accepted | the one before was)
     int ngram_max = 3;               // the longest n-gram lookup matches (as calibrated; <= NGRAM_MAX)

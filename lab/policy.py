@@ -155,6 +155,7 @@ def costs_for(target, draft=None, progress: bool = True) -> Costs:
 
 class Table(BaseModel):
     draft_p: list[float]             # [CAL_BINS]: P(accepted | the draft's top probability)
+    draft_next: list[float]          # [CAL_BINS]: P(the next accepted | this one's top probability, accepted)
     lookup_first: list[float]        # [NGRAM_MAX + 1]: P(first lookup guess accepted | n matched)
     lookup_next: float               # P(a later lookup guess accepted | the one before was)
     draft_alpha: float               # the draft's mean acceptance over every position
@@ -194,12 +195,13 @@ def isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
     return np.concatenate([[v] * n for v, _, n in blocks])
 
 
-def _binned(conf: np.ndarray, acc: np.ndarray, bins: int) -> list[float]:
-    """P(accept) per confidence bin: each bin's mean pulled toward its centre by two pseudo
-    positions, then made non-decreasing."""
+def _binned(conf: np.ndarray, acc: np.ndarray, bins: int, weight: np.ndarray | None = None) -> list[float]:
+    """P(accept) per confidence bin (positions weighed by `weight`): each bin's mean pulled
+    toward its centre by two pseudo positions, then made non-decreasing."""
+    w = np.ones(conf.size) if weight is None else weight
     b = np.clip((conf * bins).astype(int), 0, bins - 1)
-    n = np.bincount(b, minlength=bins).astype(float)
-    hits = np.bincount(b, weights=acc, minlength=bins)
+    n = np.bincount(b, weights=w, minlength=bins)
+    hits = np.bincount(b, weights=acc * w, minlength=bins)
     centre = (np.arange(bins) + 0.5) / bins
     return isotonic((hits + 2 * centre) / (n + 2), n + 2).tolist()
 
@@ -251,7 +253,8 @@ def calibrate(target, draft, samples, temperatures=TEMPERATURES, ngram_max: int 
     was, exactly when the draft's top token (or lookup's) is the target's."""
     from tqdm.auto import tqdm
     bins, nmax, _, _, max_k = _consts()
-    rec = {t: {"conf": [], "acc": [], "lf": [[] for _ in range(nmax + 1)], "ln": []} for t in temperatures}
+    rec = {t: {"conf": [], "acc": [], "lf": [[] for _ in range(nmax + 1)], "ln": [],
+               "conf_prev": [], "acc_next": [], "w_prev": []} for t in temperatures}
     for prompt, answer in tqdm(samples, desc="calibration", unit="prompt", disable=not progress, file=sys.stderr):
         ans = np.asarray(answer)
         runs = _lookup_rounds(prompt, answer, ngram_max, max_k)
@@ -264,8 +267,14 @@ def calibrate(target, draft, samples, temperatures=TEMPERATURES, ngram_max: int 
             p = _softmax(tgt, t) if t else None
             if draft is not None:
                 q = _softmax(drf, t or 1.0)
-                r["conf"].append(q.max(-1))
-                r["acc"].append((drf.argmax(-1) == ans).astype(float) if not t else np.minimum(p, q).sum(-1))
+                conf = q.max(-1)
+                acc = (drf.argmax(-1) == ans).astype(float) if not t else np.minimum(p, q).sum(-1)
+                r["conf"].append(conf)
+                r["acc"].append(acc)
+                # the next guess, weighed by the chance this one was accepted
+                r["conf_prev"].append(conf[:-1])
+                r["acc_next"].append(acc[1:])
+                r["w_prev"].append(acc[:-1])
             for j, n, cont in runs:
                 for i, tok in enumerate(cont):
                     (r["lf"][n] if i == 0 else r["ln"]).append(float(tok == answer[j + i]) if not t else float(p[j + i, tok]))
@@ -275,6 +284,8 @@ def calibrate(target, draft, samples, temperatures=TEMPERATURES, ngram_max: int 
         acc = np.concatenate(r["acc"]) if r["acc"] else np.zeros(0)
         tables[str(t)] = Table(
             draft_p=_binned(conf, acc, bins),
+            draft_next=_binned(np.concatenate(r["conf_prev"]), np.concatenate(r["acc_next"]), bins,
+                               np.concatenate(r["w_prev"])) if r["conf_prev"] else _binned(conf, acc, bins),
             lookup_first=[(sum(x) + 0.5) / (len(x) + 2) for x in r["lf"]],
             lookup_next=(sum(r["ln"]) + 0.5) / (len(r["ln"]) + 2),
             draft_alpha=float(acc.mean()) if acc.size else 0.0, positions=int(conf.size or sum(map(len, r["lf"]))))
@@ -285,7 +296,8 @@ def calibrate(target, draft, samples, temperatures=TEMPERATURES, ngram_max: int 
 def prior_calibration(target, draft, ngram_max: int = 8) -> Calibration:
     """Before any fit: acceptance = the draft's confidence; lookup by match length."""
     bins, nmax, *_ = _consts()
-    tab = Table(draft_p=((np.arange(bins) + 0.5) / bins).tolist(),
+    centres = ((np.arange(bins) + 0.5) / bins).tolist()
+    tab = Table(draft_p=centres, draft_next=centres,
                 lookup_first=[0.0] + [min(0.9, 0.2 + 0.1 * n) for n in range(1, nmax + 1)],
                 lookup_next=0.7, draft_alpha=0.6 if draft is not None else 0.0, positions=0)
     return Calibration(target=_content(target), draft=_content(draft), ngram_max=ngram_max, prompts=0,
@@ -336,8 +348,8 @@ class Policy:
             v = [0.0, *isotonic(np.asarray(v[1:]), np.ones(len(v) - 1))]   # a longer pass never costs less
             for k in range(vk):
                 p.v[i * vk + k] = v[min(k, len(v) - 1)]
-        for i, x in enumerate(self.table.draft_p[:bins]):
-            p.draft_p[i] = x
+        for i, (x, y) in enumerate(zip(self.table.draft_p[:bins], self.table.draft_next[:bins])):
+            p.draft_p[i], p.draft_next[i] = x, y
         for i, x in enumerate(self.table.lookup_first[:nmax + 1]):
             p.lookup_first[i] = x
         p.lookup_next, p.draft_rate, p.ngram_max = self.table.lookup_next, self.draft_rate(), self.ngram_max

@@ -50,7 +50,8 @@ def costs_for_test(target, draft, c=0.2, slope=0.05, o=0.01) -> P.Costs:
 def table(draft_p=0.5, first=0.5, nxt=0.5, alpha=0.5) -> P.Table:
     bins, nmax = int(native.lib().CAL_BINS), int(native.lib().NGRAM_MAX)
     dp = draft_p if isinstance(draft_p, list) else [draft_p] * bins
-    return P.Table(draft_p=dp, lookup_first=[first] * (nmax + 1), lookup_next=nxt, draft_alpha=alpha, positions=1)
+    return P.Table(draft_p=dp, draft_next=dp, lookup_first=[first] * (nmax + 1), lookup_next=nxt, draft_alpha=alpha,
+                   positions=1)
 
 
 # ----------------------------------------------------------------------------
