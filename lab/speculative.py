@@ -57,14 +57,22 @@ def geomean(xs) -> float:
 
 def predicted(result, costs) -> float:
     """The cost model's speedup for the rounds a run made: tokens over the sum of each
-    round's cost (γ draft steps if it drafted with the model, the verification of γ + 1
-    tokens, the overhead), at the context nearest the run's."""
+    round's cost -- the verification of γ + 1 tokens, the overhead, and in a draft round γ
+    draft steps, the first of which catches up on the tokens the draft has not seen (after
+    lookup rounds, several: c · v(n), v's shape standing in for the draft's) -- at the
+    context nearest the run's."""
     if costs is None or not result.rounds:
         return float("nan")
     v, c = costs.at(result.prompt_tokens + len(result.tokens) // 2)
     top = max(v)
-    spent = sum((g * c if kind == "draft" else 0.0) + v[min(g + 1, top)] + costs.o
-                for (g, _), kind in zip(result.per_round, result.kinds))
+    spent, lag = 0.0, 1                       # lag: tokens the draft's cache lacks
+    for (g, acc), kind in zip(result.per_round, result.kinds):
+        spent += v[min(g + 1, top)] + costs.o
+        if kind == "draft":
+            spent += c * (v[min(lag, top)] + g - 1)
+            lag = 2 if acc == g else 1
+        else:
+            lag += acc + 1
     return len(result.tokens) / spent
 
 

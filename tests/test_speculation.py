@@ -313,3 +313,15 @@ def test_lab_bench_speculative_runs_tiny_models(tmp_path):
                         "--draft", "lookup", "--prompts", str(bad), "--gamma", "2"], capture_output=True,
                        text=True, env=env, timeout=600, cwd=native.SOURCE_DIR.parent)
     assert r.returncode == 2 and "bad.jsonl:1: a prompt needs question_id, category and turns" in r.stderr
+
+
+def test_prediction_counts_each_rounds_cost():
+    """v(k) = 1 + 0.1 (k - 1), c = 0.2, o = 0: a draft round of 2 guesses all accepted (the
+    draft then lacks 2 tokens), a lookup round of 3 with 1 accepted (it lacks 4), a draft
+    round of 1 (catching up 4 tokens costs c · v(4))."""
+    v = [0.0] + [1 + 0.1 * (k - 1) for k in range(1, 12)]
+    costs = P.Costs(machine={}, target="t", draft="d", contexts=[256], v=[v], c=[0.2], o=0.0, o_sampled=0.0)
+    run = FakeRun([0] * 6, 1.0)
+    run.per_round, run.kinds, run.rounds = [(2, 2), (3, 1), (1, 0)], ["draft", "lookup", "draft"], 3
+    want = 6 / ((1.2 + 0.2 * 2) + 1.3 + (1.1 + 0.2 * 1.3))
+    assert S.predicted(run, costs) == pytest.approx(want)
