@@ -150,8 +150,9 @@ def cmd_bench_speculative(args) -> int:
             cal = policy.calibrate(target, draft, training_samples(target, args.model))
             policy.save_calibration(cal, target, draft)
         pol = policy.policy_for(target, draft, args.temperature, max_gamma=args.max_gamma)
+    # the progress bar goes to stderr, so it shows with --json too
     res = speculative.run(target, {"draft": draft}, prompts, chosen, args.max_new_tokens, args.temperature,
-                          args.seed, {"draft": costs}, {"draft": pol}, args.model, progress=not args.json)
+                          args.seed, {"draft": costs}, {"draft": pol}, args.model, progress=True)
     res = {"machine": machine(), "commit": commit(), "target": args.model, "draft": args.draft,
            "draft_file": str(draft.file) if draft is not None else None, "policy": pol_name,
            "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "threads": pool.threads,
