@@ -118,7 +118,8 @@ def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], 
         temperature: float = 0.0, seed: int = 0, costs: dict | None = None, policies: dict | None = None,
         target_name: str = "", progress: bool = True) -> dict:
     """drafts: name -> Engine or None (lookup alone); costs and policies: the same names ->
-    this machine's Costs (for the predictions) and automatic Policy (for "auto" settings).
+    this machine's Costs (for the predictions; lookup settings take any, c unused) and
+    automatic Policy (for "auto" settings).
     -> {"rows": per prompt turn and setting, "summary": per group and overall}"""
     from tqdm.auto import tqdm
     conv = Conversation(target_name)
@@ -153,7 +154,7 @@ def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], 
                         f"at token {next(i for i, (x, y) in enumerate(zip(r.tokens + [-1], a.tokens + [-2])) if x != y)}")
                 rows.append({"id": p["id"], "group": p["group"], "turn": turn + 1, "setting": s.label,
                              "new_tokens": len(r.tokens), "speedup": r.tokens_per_s / plain_tps,
-                             "predicted": predicted(r, costs.get(s.draft)), "tokens_per_round": r.tokens_per_round,
+                             "predicted": predicted(r, costs.get(s.draft) or next(iter(costs.values()), None)), "tokens_per_round": r.tokens_per_round,
                              "alpha": r.acceptance, "equal_to_plain": equal, "plain_tokens_per_s": plain_tps,
                              "plain_spread": a.tokens_per_s / b.tokens_per_s - 1, "tries": tries,
                              "rounds": {k: r.kinds.count(k) for k in ("draft", "lookup", "plain")}})
