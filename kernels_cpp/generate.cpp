@@ -31,10 +31,10 @@ int lookup_ngram(const int32_t* ctx, int len, int ngram_max, int gamma, int32_t*
 
 RoundPlan::RoundPlan(const Policy& p, int context, float rate_) : o(p.o), rate(rate_) {
     // costs at this context: linear between the two measured contexts around it
-    int i = 0, j = 0;
-    float w = 0.f;
+    int j = 0;
     while (j + 1 < p.n_ctx && p.ctx[j] < context) j++;
-    i = j > 0 ? j - 1 : 0;
+    const int i = j > 0 ? j - 1 : 0;
+    float w = 0.f;
     if (j != i) w = std::clamp((float)(context - p.ctx[i]) / (float)(p.ctx[j] - p.ctx[i]), 0.f, 1.f);
     for (int k = 0; k < VK; k++) v[k] = (1 - w) * p.v[i * VK + k] + w * p.v[j * VK + k];
     c = (1 - w) * p.c[i] + w * p.c[j];
@@ -181,7 +181,8 @@ int Generator::run(const int32_t* prompt, int n_prompt, const GenParams& gp, int
     while (!stop) {
         int g = 0, kind = ROUND_PLAIN, matched = 0;
         // A draft round's guesses must earn what draft rounds make per step.
-        RoundPlan plan = pol ? RoundPlan(*pol, (int)ctx.size(), draft_rate.value()) : RoundPlan(Policy{}, 0, 1.f);
+        static const Policy no_policy{};
+        RoundPlan plan(pol ? *pol : no_policy, (int)ctx.size(), draft_rate.value());
         // -- choose, in the automatic policy, the kind of round expected to make the most
         // tokens per step: lookup as planned from its odds, the draft as its rounds have
         // made, or a plain step -------------------------------------------------------------
@@ -239,7 +240,6 @@ int Generator::run(const int32_t* prompt, int n_prompt, const GenParams& gp, int
             }
         } else if (lookup_now) {
             Timer t(stats_.t_draft);
-            int matched = 0;
             g = lookup_ngram(ctx.data(), (int)ctx.size(), gp.ngram_max, gp.gamma, guess, &matched);
             kind = g ? ROUND_LOOKUP : ROUND_PLAIN;
         }

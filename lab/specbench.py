@@ -47,11 +47,16 @@ def prompts(groups=GROUPS, per_group: int | None = None, path: Path | None = Non
     return out
 
 
-def chat_ids(tokenizer, turns: list[str], thinking: bool = False) -> list[int]:
-    """The first turn as a chat prompt (later turns need the model's own answers)."""
+def chat_ids(tokenizer, turns: list[str], thinking: bool = False, answers: list[list[int]] = ()) -> list[int]:
+    """A chat prompt: the user's turns, each after the model's own answers (token ids) to the
+    ones before; only the first turn when no answers are given."""
     extra = {} if thinking is None else {"enable_thinking": thinking}
-    text = tokenizer.apply_chat_template([{"role": "user", "content": turns[0]}], add_generation_prompt=True,
-                                         tokenize=False, **extra)
+    msgs = []
+    for i, t in enumerate(turns[:len(answers) + 1]):
+        msgs.append({"role": "user", "content": t})
+        if i < len(answers):
+            msgs.append({"role": "assistant", "content": tokenizer.decode(answers[i], skip_special_tokens=True)})
+    text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **extra)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

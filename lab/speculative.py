@@ -87,23 +87,17 @@ class Conversation:
             from transformers import AutoTokenizer
             from .models.registry import resolve
             self.tok = AutoTokenizer.from_pretrained(str(resolve(model)))
-        self.thinking = {"enable_thinking": False} if model.startswith("qwen3") else {}
+        self.thinking = False if model.startswith("qwen3") else None
 
     def ids(self, turns: list[str], answers: list[list[int]]) -> list[int]:
-        if self.tok is None:                     # tiny models: bytes, answers as they came
-            out = []
-            for i, t in enumerate(turns):
-                out += [b % self.tiny.tokenizer_size for b in t.encode()]
-                if i < len(answers):
-                    out += answers[i]
-            return out
-        msgs = []
+        if self.tok is not None:
+            return specbench.chat_ids(self.tok, turns, self.thinking, answers)
+        out = []                                 # tiny models: bytes, answers as they came
         for i, t in enumerate(turns):
-            msgs.append({"role": "user", "content": t})
+            out += [b % self.tiny.tokenizer_size for b in t.encode()]
             if i < len(answers):
-                msgs.append({"role": "assistant", "content": self.tok.decode(answers[i], skip_special_tokens=True)})
-        text = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, **self.thinking)
-        return self.tok(text, add_special_tokens=False)["input_ids"]
+                out += answers[i]
+        return out
 
 
 def _bracket(target, ids, runs, max_new_tokens, temperature, seed):
