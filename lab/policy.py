@@ -101,7 +101,27 @@ def costs_path(target, draft) -> Path:
     return native.cache_dir() / "costs" / f"{key}-{pair}.json"
 
 
-def measure_costs(target, draft=None, contexts=(128, 512, 2048), kmax: int = 9, rounds: int = 3, reps: int = 2,
+def costs_at(target, drafts: dict, context: int, kmax: int = 9, rounds: int = 3,
+             reps: int = 2) -> tuple[list[float], dict]:
+    """v(0..kmax) and each draft's c (name -> c) at one context, every candidate timed once a
+    round in turn, so each ratio pairs neighbours in time. v is made non-decreasing in k:
+    k + 1 tokens never cost less than k, so a dip is noise."""
+    from . import bench
+    ids = bench._fill(target, context)
+    for d in drafts.values():
+        d.forward(ids, 0, logits="none")
+    batch = {k: np.resize(ids, k).astype(np.int32) for k in range(1, kmax + 1)}
+    cands = {k: (lambda k=k: bench._forward_samples(target, batch[k], context, 2 if k > 1 else 1, reps))
+             for k in batch}
+    for name, d in drafts.items():
+        cands[f"c:{name}"] = lambda d=d: bench._forward_samples(d, batch[1], context, 1, reps)
+    s = bench.interleave(cands, rounds)
+    v = [bench.paired_ratio(s[k], s[1])["median"] for k in batch]
+    v = isotonic(np.array(v), np.ones(len(v)))
+    return [0.0] + [float(x) for x in v], {n: bench.paired_ratio(s[f"c:{n}"], s[1])["median"] for n in drafts}
+
+
+def measure_costs(target, draft=None, contexts=(128, 512, 2048), kmax: int = 9, rounds: int = 7, reps: int = 2,
                   progress: bool = True) -> Costs:
     """v(k) for k = 1..kmax (a round of kmax - 1 guesses at most) and c at each context that
     fits both caches, and o."""
@@ -113,17 +133,9 @@ def measure_costs(target, draft=None, contexts=(128, 512, 2048), kmax: int = 9, 
     ctxs = [c for c in contexts if c <= top][:ncx] or [max(1, top)]
     vs, cs = [], []
     for ctx in tqdm(ctxs, desc="this machine's costs", unit="context", disable=not progress, file=sys.stderr):
-        ids = bench._fill(target, ctx)
-        if draft:
-            draft.forward(ids, 0, logits="none")
-        batch = {k: np.resize(ids, k).astype(np.int32) for k in range(1, kmax + 1)}
-        cands = {k: (lambda k=k: bench._forward_samples(target, batch[k], ctx, 2 if k > 1 else 1, reps))
-                 for k in batch}
-        if draft:
-            cands["c"] = lambda: bench._forward_samples(draft, batch[1], ctx, 1, reps)
-        s = bench.interleave(cands, rounds)
-        vs.append([0.0] + [bench.paired_ratio(s[k], s[1])["median"] for k in batch])
-        cs.append(bench.paired_ratio(s["c"], s[1])["median"] if draft else 0.0)
+        v, c = costs_at(target, {"draft": draft} if draft else {}, ctx, kmax, rounds, reps)
+        vs.append(v)
+        cs.append(c.get("draft", 0.0))
     o = bench.overhead(target, draft, tokens=32)
     return Costs(machine=machine_id(target.pool.threads), target=_content(target), draft=_content(draft),
                  contexts=ctxs, v=vs, c=cs, o=o["o_greedy"], o_sampled=o["o_sampled"])
