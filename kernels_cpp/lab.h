@@ -252,6 +252,9 @@ public:
     int64_t size() const { return size_; }
 private:
     bool fail(const char* fmt, ...);
+    bool check_header(const FileHeader& h);
+    bool check_regions(const FileHeader& h);
+    bool check_tensor(const TensorEntry& e, uint32_t i, const FileHeader& h);
     const uint8_t* base_ = nullptr;
     int64_t size_ = 0;
     bool owned_ = false;            // base_ is our copy rather than the mapping

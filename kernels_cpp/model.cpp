@@ -6,6 +6,7 @@
 // Every step treats each token alike whatever k is — the same kernels, summation order
 // and split over threads — so a k-token pass equals k single-token passes bit for bit.
 #include <immintrin.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -303,6 +304,7 @@ struct Model::Impl {
     int out_rows() const { return trim.fmt < 0 ? vocab : trim.rows + n_extra; }
     int output_logits(int n, float* logits, ThreadPool* pool, int path);
     bool bind_trim();
+    void allocate();
     int ffn_hidden(int k, bool quantize, ThreadPool* pool, int path);
     void attention(int layer, int k, int pos, ThreadPool* pool, int path);
     int chunk(const int32_t* tok, int k, int pos, float* logits, int mode, float* hidden, int hidden_stride,
@@ -415,8 +417,6 @@ bool Model::load(const char* path, int max_context, bool in_memory) {
     m.h = *m.file.header();
     const FileHeader& h = m.h;
     if (max_context < 1) return m.fail("max_context must be at least 1");
-    if (h.head_dim % 8 || h.num_heads % h.num_kv_heads || h.hidden_size % QK)
-        return m.fail("the header's head_dim (a multiple of 8), heads or hidden size are inconsistent");
     m.max_ctx = max_context;
     m.vocab = (int)h.tokenizer_size;
     m.q_dim = h.num_heads * h.head_dim;
@@ -440,30 +440,48 @@ bool Model::load(const char* path, int max_context, bool in_memory) {
         if (h.qkv_bias && !m.bind(nm("qkv_bias"), L.qkv_bias, m.qkv_rows)) return false;
     }
     if (!m.bind_trim()) return false;
+    // An allocation past physical memory may "succeed" and then kill the process when touched.
+    const uint64_t kv_mb = (uint64_t)h.num_layers * h.num_kv_heads * h.head_dim * max_context * 4 >> 20;
+    const uint64_t ram_mb = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE) >> 20;
+    const auto no_room = [&] {
+        return m.fail("a context of " + std::to_string(max_context) + " tokens needs a " + std::to_string(kv_mb) +
+                      " MB KV cache; this machine has " + std::to_string(ram_mb) + " MB: ask for a shorter max_context");
+    };
+    if (kv_mb >= ram_mb) return no_room();
+    try {
+        m.allocate();
+    } catch (const std::exception&) {      // bad_alloc, or length_error past max_size
+        return no_room();
+    }
+    m.loaded = true;
+    return true;
+}
+
+// The caches and work buffers: sized by the header (already bounded) and max_context.
+void Model::Impl::allocate() {
+    const int max_context = max_ctx, H = h.hidden_size, I = h.intermediate_size;
     const size_t cache = (size_t)h.num_layers * h.num_kv_heads * max_context * h.head_dim;
-    m.kcache.assign(cache, 0);
-    m.vcache.assign(cache, 0);
+    kcache.assign(cache, 0);
+    vcache.assign(cache, 0);
     const int half = h.head_dim / 2;
-    m.cos_t.resize((size_t)max_context * half);
-    m.sin_t.resize((size_t)max_context * half);
+    cos_t.resize((size_t)max_context * half);
+    sin_t.resize((size_t)max_context * half);
     for (int i = 0; i < half; i++) {      // as torch: theta ** (2i / d) in float32, then 1 / that
         const float inv = 1.0f / std::pow((float)h.rope_theta, (float)(2 * i) / (float)h.head_dim);
         for (int p = 0; p < max_context; p++) {
             const float f = (float)p * inv;
-            m.cos_t[(size_t)p * half + i] = std::cos(f);
-            m.sin_t[(size_t)p * half + i] = std::sin(f);
+            cos_t[(size_t)p * half + i] = std::cos(f);
+            sin_t[(size_t)p * half + i] = std::sin(f);
         }
     }
     const int K = MAX_K;
-    m.x.resize((size_t)K * H); m.xn.resize((size_t)K * H); m.tmp.resize((size_t)K * H);
-    m.qkv.resize((size_t)K * m.qkv_rows); m.att.resize((size_t)K * m.q_dim);
-    m.gu.resize((size_t)K * 2 * I); m.hb.resize((size_t)K * I);
-    m.logits_tmp.resize((size_t)K * m.vocab);
+    x.resize((size_t)K * H); xn.resize((size_t)K * H); tmp.resize((size_t)K * H);
+    qkv.resize((size_t)K * qkv_rows); att.resize((size_t)K * q_dim);
+    gu.resize((size_t)K * 2 * I); hb.resize((size_t)K * I);
+    logits_tmp.resize((size_t)K * vocab);
     const int group = h.num_heads / h.num_kv_heads;
-    m.att_rows = std::max(group, ATT_ROWS / group * group);
-    m.scratch.resize((size_t)online_cpus() * ((size_t)m.att_rows * max_context + 8 * h.head_dim + 16) + 64);
-    m.loaded = true;
-    return true;
+    att_rows = std::max(group, ATT_ROWS / group * group);
+    scratch.resize((size_t)online_cpus() * ((size_t)att_rows * max_context + 8 * h.head_dim + 16) + 64);
 }
 
 // ============================================================================

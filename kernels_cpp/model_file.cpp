@@ -35,6 +35,68 @@ bool ModelFile::fail(const char* fmt, ...) {
     return false;
 }
 
+// Every count is bounded before anything multiplies or allocates with it: a crafted header
+// must end in a message, never in a division by zero, a wrapped size or a huge allocation.
+bool ModelFile::check_header(const FileHeader& h) {
+    struct Field { const char* name; uint32_t value, lo, hi; };
+    const Field fields[] = {
+        {"vocab_size", h.vocab_size, 1, 1u << 24},        {"hidden_size", h.hidden_size, QK, 1u << 16},
+        {"intermediate_size", h.intermediate_size, 1, 1u << 20}, {"num_layers", h.num_layers, 1, 1024},
+        {"num_heads", h.num_heads, 1, 1024},              {"num_kv_heads", h.num_kv_heads, 1, h.num_heads},
+        {"head_dim", h.head_dim, 8, 1024},                {"tokenizer_size", h.tokenizer_size, 1, h.vocab_size},
+        {"tie_embeddings", h.tie_embeddings, 0, 1},       {"qk_norm", h.qk_norm, 0, 1},
+        {"qkv_bias", h.qkv_bias, 0, 1},                   {"n_eos", h.n_eos, 0, 4},
+    };
+    for (const Field& f : fields)
+        if (f.value < f.lo || f.value > f.hi)
+            return fail("its header says %s = %u, outside %u..%u", f.name, f.value, f.lo, f.hi);
+    if (h.head_dim % 8 || h.num_heads % h.num_kv_heads || h.hidden_size % QK)
+        return fail("its header's head_dim (a multiple of 8), heads or hidden size are inconsistent");
+    if ((uint64_t)h.num_heads * h.head_dim > (1u << 16))
+        return fail("its header says %u heads of %u, too wide", h.num_heads, h.head_dim);
+    for (uint32_t i = 0; i < h.n_eos; i++)
+        if (h.eos[i] < 0 || (uint32_t)h.eos[i] >= h.tokenizer_size)
+            return fail("its end-of-sequence id %d is outside the tokenizer (%u)", h.eos[i], h.tokenizer_size);
+    if (!(h.rope_theta > 0 && h.rope_theta < 1e12) || !(h.rms_eps > 0 && h.rms_eps < 1))
+        return fail("its header's rope_theta or rms_eps is not a usable number");
+    return true;
+}
+
+// Sizes are compared by subtraction from the file size, so no sum can wrap around 2^64.
+bool ModelFile::check_regions(const FileHeader& h) {
+    const uint64_t size = (uint64_t)size_;
+    if (h.dir_offset < sizeof(FileHeader) || h.dir_offset > size ||
+        h.n_tensors > (size - h.dir_offset) / sizeof(TensorEntry))
+        return fail("its tensor directory runs past the end of the file");
+    if (h.data_offset > size || h.data_size > size - h.data_offset)
+        return fail("it is %llu bytes but its data region runs past that", (unsigned long long)size);
+    return true;
+}
+
+bool ModelFile::check_tensor(const TensorEntry& e, uint32_t i, const FileHeader& h) {
+    if (std::memchr(e.name, 0, sizeof e.name) == nullptr) return fail("tensor %u has no name", i);
+    if (e.fmt > FMT_I32 || e.ndim < 1 || e.ndim > 2)
+        return fail("tensor %s has format %u / %u dims the engine does not know", e.name, e.fmt, e.ndim);
+    const uint64_t lim = 1ull << 31;
+    if (e.rows < 1 || e.cols < 1 || e.rows >= lim || e.cols >= lim || e.rows * e.cols >= (1ull << 40))
+        return fail("tensor %s has shape %llu x %llu, outside what the engine holds", e.name,
+                    (unsigned long long)e.rows, (unsigned long long)e.cols);
+    uint64_t want_s = 0, want_d = e.rows * e.cols * 4;
+    if (e.fmt == FMT_Q8 || e.fmt == FMT_Q4) {
+        if (e.cols % QK)
+            return fail("tensor %s has %llu columns, not a multiple of 32", e.name, (unsigned long long)e.cols);
+        want_s = (uint64_t)packed_scale_count((int)e.rows, (int)e.cols) * 2;
+        want_d = (uint64_t)packed_byte_count((int)e.fmt, (int)e.rows, (int)e.cols);
+    }
+    if (e.scales_bytes != want_s || e.data_bytes < want_d || e.data_bytes > h.data_size)
+        return fail("tensor %s's sizes do not match its shape", e.name);
+    const uint64_t span = (want_s + 63) / 64 * 64 + e.data_bytes;      // both bounded above
+    if (e.offset % 64 || e.offset < h.data_offset || e.offset - h.data_offset > h.data_size ||
+        span > h.data_size - (e.offset - h.data_offset))
+        return fail("tensor %s lies outside the data region", e.name);
+    return true;
+}
+
 bool ModelFile::open(const char* path, bool in_memory) {
     if (base_) return fail("this ModelFile is already open");
     const int fd = ::open(path, O_RDONLY);
@@ -60,30 +122,15 @@ bool ModelFile::open(const char* path, bool in_memory) {
     if (h.arch < ARCH_QWEN3 || h.arch > ARCH_LLAMA)
         return fail("%s holds architecture %u, which the engine does not know (1 qwen3, 2 qwen2, 3 llama)",
                     path, h.arch);
-    const uint64_t dir_end = h.dir_offset + (uint64_t)h.n_tensors * sizeof(TensorEntry);
-    if (h.dir_offset < sizeof(FileHeader) || dir_end > (uint64_t)size_)
-        return fail("%s: its tensor directory runs past the end of the file (truncated?)", path);
-    if (h.data_offset + h.data_size > (uint64_t)size_)
-        return fail("%s is %lld bytes but its data region ends at %llu: truncated", path, (long long)size_,
-                    (unsigned long long)(h.data_offset + h.data_size));
-    for (uint32_t i = 0; i < h.n_tensors; i++) {
-        const TensorEntry& e = *tensor(i);
-        if (std::memchr(e.name, 0, sizeof e.name) == nullptr) return fail("%s: tensor %u has no name", path, i);
-        if (e.fmt > FMT_I32 || e.ndim < 1 || e.ndim > 2)
-            return fail("%s: tensor %s has format %u / %u dims the engine does not know", path, e.name, e.fmt, e.ndim);
-        uint64_t want_s = 0, want_d = e.rows * e.cols * 4;
-        if (e.fmt == FMT_Q8 || e.fmt == FMT_Q4) {
-            if (e.cols % QK) return fail("%s: tensor %s has %llu columns, not a multiple of 32", path,
-                                         e.name, (unsigned long long)e.cols);
-            want_s = packed_scale_count((int)e.rows, (int)e.cols) * 2;
-            want_d = packed_byte_count((int)e.fmt, (int)e.rows, (int)e.cols);
-        }
-        if (e.scales_bytes != want_s || e.data_bytes < want_d)
-            return fail("%s: tensor %s's sizes do not match its shape", path, e.name);
-        const uint64_t end = e.offset + ((e.scales_bytes + 63) / 64 * 64) + e.data_bytes;
-        if (e.offset % 64 || e.offset < h.data_offset || end > h.data_offset + h.data_size)
-            return fail("%s: tensor %s lies outside the data region (truncated?)", path, e.name);
-    }
+    char why[sizeof err_];                 // the check's own message, before fail() rewrites err_
+    auto named = [&](const char* advice) {
+        std::memcpy(why, err_, sizeof why);
+        return fail("%s: %s (%s)", path, why, advice);
+    };
+    if (!check_header(h)) return named("not a usable model file: export it again");
+    if (!check_regions(h)) return named("truncated or corrupt: export or fetch it again");
+    for (uint32_t i = 0; i < h.n_tensors; i++)
+        if (!check_tensor(*tensor(i), i, h)) return named("corrupt: export it again");
     if (in_memory) {
         void* copy = alloc_huge((size_t)size_);
         if (!copy) return fail("%s: no memory for a %lld-byte copy", path, (long long)size_);

@@ -85,13 +85,16 @@ class Engine:
     """A model from the engine's weights file, with its own thread pool and KV cache.
 
     in_memory (default) copies the checked file onto 2 MB pages; False runs straight from
-    the read-only mapping of the file (less memory, slower decoding: 4 KB pages).
+    the read-only mapping of the file (less memory, slower decoding: 4 KB pages). verify
+    (default) checks the file's content hash the first time each version of it loads.
     """
 
     def __init__(self, model_file: str | Path, threads: int | None = None, cpus: list[int] | None = None,
                  max_context: int = 4096, path: str | None = None, pool: Pool | None = None,
-                 in_memory: bool = True):
+                 in_memory: bool = True, verify: bool = True):
         ns = native.lib()
+        if not 1 <= int(max_context) < 2 ** 31:
+            raise EngineError(f"max_context must be between 1 and 2^31 - 1 tokens, got {max_context}")
         self.path_id = native.path_id(path)
         self.pool = pool or Pool(threads, cpus)
         self.file = Path(model_file)
@@ -100,6 +103,9 @@ class Engine:
         self._m = ns.Model()
         if not self._m.load(str(self.file), int(max_context), bool(in_memory)):
             raise EngineError(str(self._m.error()))
+        if verify:
+            from .models.export import verify_once
+            verify_once(self.file)
         h = self._m.config()
         self.vocab = int(self._m.vocab())
         self.vocab_rows = int(h.vocab_size)

@@ -17,7 +17,9 @@ _MM_ERRORS = {1: "unknown weight format", 2: "shapes do not match", 3: "k out of
               4: "kernel path not supported by this CPU"}
 
 
-def check_array(a, name: str, dtype, ndim: int | None = None, align: int | None = None) -> np.ndarray:
+def check_array(a, name: str, dtype, ndim: int | None = None, align: int | None = None,
+                writeable: bool = False) -> np.ndarray:
+    """The checks a buffer passes before C++ touches it (writeable: C++ writes into it)."""
     if not isinstance(a, np.ndarray):
         raise TypeError(f"{name} must be a numpy array, got {type(a).__name__}")
     if a.dtype != np.dtype(dtype):
@@ -28,6 +30,8 @@ def check_array(a, name: str, dtype, ndim: int | None = None, align: int | None 
         raise ValueError(f"{name} must be C-contiguous (use np.ascontiguousarray)")
     if align and a.ctypes.data % align:
         raise ValueError(f"{name} must start on a {align}-byte boundary (use lab.formats.aligned_copy)")
+    if writeable and not a.flags.writeable:
+        raise ValueError(f"{name} is read-only: pass a writeable array (or none, for a new one)")
     return a
 
 
@@ -181,7 +185,7 @@ def matmul(W, x, path: str | None = None, pool: Pool | None = None, chunk: int |
     code = split_code(chunk)
     if out is None:
         out = np.empty((acts.k, Wp.rows), np.float32)
-    check_array(out, "out", np.float32, ndim=2)
+    check_array(out, "out", np.float32, ndim=2, writeable=True)
     if out.shape != (acts.k, Wp.rows):
         raise ValueError(f"out has shape {out.shape}, needs {(acts.k, Wp.rows)}")
     rc = native.lib().matmul(Wp.view(), acts._acts, out, Wp.rows, p, _pool_ptr(pool), code)

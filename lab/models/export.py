@@ -159,6 +159,7 @@ def write(config: ModelConfig, tensors: dict, path: str | Path, meta: dict | Non
         f.write(b"".join(entries))
         f.write(meta_blob)
     os.replace(tmp, path)
+    remember_verified(path)
     return path
 
 
@@ -171,25 +172,32 @@ class ModelFile:
     tensors: dict          # name -> QTensor (split layout) or np.ndarray (fp32)
 
 
+HEADER_KEYS = ("magic version arch vocab_size hidden_size intermediate_size num_layers num_heads num_kv_heads "
+               "head_dim tokenizer_size max_position tie_embeddings qk_norm qkv_bias n_eos e0 e1 e2 e3 n_tensors "
+               "rope_theta rms_eps dir_offset meta_offset meta_size data_offset data_size sha256 reserved").split()
+
+
 def read(path: str | Path) -> ModelFile:
-    """Reads a weights file back (quantized tensors unpacked to the split layout)."""
+    """Reads a weights file back (quantized tensors unpacked to the split layout). The
+    header, directory and tensor extents are checked by the engine's own reader first, so
+    both sides refuse the same files; the JSON part, which only Python reads, is checked here."""
     path = Path(path)
+    open_native(path)
     raw = path.read_bytes()
-    if len(raw) < HEADER.size or raw[:8] != MAGIC:
-        raise ModelFileError(f"{path} is not a lab model file")
-    f = HEADER.unpack_from(raw)
-    keys = ("magic version arch vocab_size hidden_size intermediate_size num_layers num_heads num_kv_heads "
-            "head_dim tokenizer_size max_position tie_embeddings qk_norm qkv_bias n_eos e0 e1 e2 e3 n_tensors "
-            "rope_theta rms_eps dir_offset meta_offset meta_size data_offset data_size sha256 reserved").split()
-    hd = dict(zip(keys, f))
-    if hd["version"] != VERSION:
-        raise ModelFileError(f"{path} is version {hd['version']}; this lab reads {VERSION}")
-    meta = json.loads(raw[hd["meta_offset"]:hd["meta_offset"] + hd["meta_size"]])
-    config = ModelConfig(**meta["config"])
+    hd = dict(zip(HEADER_KEYS, HEADER.unpack_from(raw)))
+    try:
+        meta = json.loads(raw[hd["meta_offset"]:hd["meta_offset"] + hd["meta_size"]])
+        config = ModelConfig(**meta["config"])
+    except (ValueError, TypeError, KeyError, ArithmeticError) as e:
+        raise ModelFileError(f"{path}: its metadata is not readable ({type(e).__name__}: {e}): export it again")
+    differ = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                          "num_kv_heads", "head_dim", "tokenizer_size") if getattr(config, k) != hd[k]]
+    if differ:
+        raise ModelFileError(f"{path}: its metadata and header disagree on {', '.join(differ)}: export it again")
     tensors = {}
     for i in range(hd["n_tensors"]):
         name, fmt, ndim, rows, cols, off, sb, db = ENTRY.unpack_from(raw, hd["dir_offset"] + i * ENTRY.size)
-        name = name.rstrip(b"\0").decode()
+        name = name.rstrip(b"\0").decode(errors="replace")
         if fmt in (0, 3):
             a = np.frombuffer(raw, "<f4" if fmt == 0 else "<i4", rows * cols, off)
             tensors[name] = a.reshape((cols,) if ndim == 1 else (rows, cols)).copy()
@@ -213,8 +221,50 @@ def verify(path: str | Path) -> str:
             h.update(block)
             left -= len(block)
     if h.digest() != want:
-        raise ModelFileError(f"{path}: content hash mismatch: header says {want.hex()}, data is {h.hexdigest()}")
+        raise ModelFileError(f"{path}: content hash mismatch (header {want.hex()[:12]}…, data {h.hexdigest()[:12]}…): "
+                             f"the file is corrupt or changed since export; export or fetch it again")
     return want.hex()
+
+
+def _verified_path() -> Path:
+    from .. import native
+    return native.cache_dir() / "verified.json"
+
+
+def _stamp(path: Path) -> list:
+    st = path.stat()
+    return [st.st_size, st.st_mtime_ns, st.st_ino, content_id(path)]
+
+
+def _verified() -> dict:
+    try:
+        rec = json.loads(_verified_path().read_text())
+        return rec if isinstance(rec, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def remember_verified(path: str | Path) -> None:
+    """Notes that this version of the file (size, mtime, inode, hash) holds what its hash says."""
+    path = Path(path).resolve()
+    rec = {k: v for k, v in _verified().items() if os.path.exists(k)}     # forget deleted files
+    rec[str(path)] = _stamp(path)
+    out = _verified_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(rec))
+    os.replace(tmp, out)
+
+
+def verify_once(path: str | Path) -> bool:
+    """Checks the content hash the first time each version of a file is loaded (True: it
+    hashed now), so a flipped byte is caught while later loads stay fast."""
+    path = Path(path).resolve()
+    if _verified().get(str(path)) == _stamp(path):
+        return False
+    verify(path)
+    remember_verified(path)
+    return True
 
 
 def content_id(path: str | Path) -> str:

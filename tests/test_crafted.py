@@ -1,0 +1,138 @@
+"""Crafted and corrupt weights files: each is refused with a message that names the
+problem, by the C++ reader (Engine) and the Python reader alike -- never a signal."""
+import numpy as np
+import pytest
+
+from lab.engine import Engine, EngineError
+from lab.kernels import matmul, quantize
+from lab.models import TINY, tiny_weights
+from lab.models import export as ex
+
+U64 = 2 ** 64
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    c = TINY[next(iter(TINY))]
+    return ex.export(c, tiny_weights(c), tmp_path_factory.mktemp("crafted") / "good.lab", "q4-q8out")
+
+
+def crafted(good, tmp_path, **fields):
+    """The good file with some header fields replaced."""
+    raw = bytearray(good.read_bytes())
+    hd = dict(zip(ex.HEADER_KEYS, ex.HEADER.unpack_from(raw)))
+    hd.update(fields)
+    ex.HEADER.pack_into(raw, 0, *hd.values())
+    out = tmp_path / "crafted.lab"
+    out.write_bytes(bytes(raw))
+    return out
+
+
+def refused(path, match):
+    with pytest.raises(EngineError, match=match):
+        Engine(path, threads=1, max_context=64)
+    with pytest.raises(ex.ModelFileError, match=match):
+        ex.read(path)
+
+
+def test_good_file_loads(good):
+    assert Engine(good, threads=1, max_context=64).vocab > 0
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(num_kv_heads=0), "num_kv_heads = 0"),                         # was SIGFPE
+    (dict(num_heads=0, num_kv_heads=0), "num_heads = 0"),
+    (dict(head_dim=0), "head_dim = 0"),
+    (dict(num_layers=2 ** 31), "num_layers"),                           # was std::bad_alloc
+    (dict(tokenizer_size=10 ** 6), "tokenizer_size"),                   # was SIGSEGV
+    (dict(rope_theta=float("nan")), "rope_theta"),
+    (dict(n_eos=9), "n_eos"),
+    (dict(dir_offset=U64 - 64, n_tensors=2 ** 32 - 1), "tensor directory"),   # was SIGSEGV: the sum wrapped
+    (dict(dir_offset=U64 - 64), "tensor directory"),
+    (dict(data_offset=U64 - 64), "data region"),
+    (dict(data_size=U64 - 1), "data region"),
+])
+def test_crafted_header_is_refused(good, tmp_path, fields, match):
+    refused(crafted(good, tmp_path, **fields), match)
+
+
+def test_tokenizer_a_little_past_vocab_is_refused(good, tmp_path):
+    hd = dict(zip(ex.HEADER_KEYS, ex.HEADER.unpack_from(good.read_bytes())))
+    refused(crafted(good, tmp_path, tokenizer_size=hd["vocab_size"] + 1), "tokenizer_size")
+
+
+def test_all_zero_header_is_refused(good, tmp_path):
+    raw = bytearray(good.read_bytes())
+    raw[:ex.HEADER.size] = bytes(ex.HEADER.size)
+    (tmp_path / "z.lab").write_bytes(bytes(raw))
+    refused(tmp_path / "z.lab", "not a lab model file")
+
+
+def _entry_patched(good, tmp_path, i, **fields):
+    raw = bytearray(good.read_bytes())
+    hd = dict(zip(ex.HEADER_KEYS, ex.HEADER.unpack_from(raw)))
+    keys = "name fmt ndim rows cols offset scales_bytes data_bytes".split()
+    at = hd["dir_offset"] + i * ex.ENTRY.size
+    e = dict(zip(keys, ex.ENTRY.unpack_from(raw, at)))
+    e.update(fields)
+    ex.ENTRY.pack_into(raw, at, *e.values())
+    (tmp_path / "e.lab").write_bytes(bytes(raw))
+    return tmp_path / "e.lab"
+
+
+@pytest.mark.parametrize("fields, match", [
+    (dict(rows=2 ** 62), "shape"),
+    (dict(offset=U64 - 64), "outside the data region"),
+    (dict(data_bytes=U64 - 1), "sizes do not match"),
+    (dict(fmt=9), "format 9"),
+])
+def test_crafted_tensor_entry_is_refused(good, tmp_path, fields, match):
+    refused(_entry_patched(good, tmp_path, 1, **fields), match)
+
+
+def test_metadata_that_disagrees_with_the_header_is_refused(good, tmp_path):
+    raw = good.read_bytes()
+    hd = dict(zip(ex.HEADER_KEYS, ex.HEADER.unpack_from(raw)))
+    blob = raw[hd["meta_offset"]:hd["meta_offset"] + hd["meta_size"]]
+    n = str(hd["num_layers"]).encode()
+    bad = blob.replace(b'"num_layers": ' + n, b'"num_layers": ' + (b"9" * len(n)))
+    assert bad != blob
+    (tmp_path / "m.lab").write_bytes(raw[:hd["meta_offset"]] + bad + raw[hd["meta_offset"] + len(blob):])
+    with pytest.raises(ex.ModelFileError, match="disagree on num_layers"):
+        ex.read(tmp_path / "m.lab")
+
+
+def test_a_flipped_data_byte_is_caught_on_load(good, tmp_path):
+    raw = bytearray(good.read_bytes())
+    hd = dict(zip(ex.HEADER_KEYS, ex.HEADER.unpack_from(raw)))
+    raw[hd["data_offset"] + hd["data_size"] // 2] ^= 0x10
+    (tmp_path / "f.lab").write_bytes(bytes(raw))
+    with pytest.raises(ex.ModelFileError, match="content hash mismatch"):
+        Engine(tmp_path / "f.lab", threads=1, max_context=64)
+    Engine(tmp_path / "f.lab", threads=1, max_context=64, verify=False)   # the impatient's way
+
+
+def test_verification_is_remembered_per_version_of_the_file(good, tmp_path, monkeypatch):
+    p = tmp_path / "r.lab"
+    p.write_bytes(good.read_bytes())
+    assert ex.verify_once(p) is True
+    assert ex.verify_once(p) is False                      # same size, mtime, inode: not hashed again
+    p.write_bytes(good.read_bytes())                       # a new version (new mtime) is hashed again
+    assert ex.verify_once(p) is True
+
+
+def test_a_context_past_memory_is_a_message(good):
+    with pytest.raises(EngineError, match="shorter max_context"):
+        Engine(good, threads=1, max_context=2 ** 31 - 1)
+    with pytest.raises(EngineError, match="max_context"):
+        Engine(good, threads=1, max_context=2 ** 40)
+
+
+def test_matmul_refuses_a_read_only_out(tmp_path):
+    w = quantize(np.ones((32, 64), np.float32), "q8", "w")
+    acts = np.ones((1, 64), np.float32)
+    out = np.memmap(tmp_path / "o.bin", np.float32, "w+", shape=(1, 32))
+    ro = np.memmap(tmp_path / "o.bin", np.float32, "r", shape=(1, 32))
+    matmul(w, acts, out=out)
+    with pytest.raises(ValueError, match="read-only"):
+        matmul(w, acts, out=ro)
