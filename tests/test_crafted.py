@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from lab.engine import Engine, EngineError
+from lab.errors import LabError
 from lab.kernels import matmul, quantize
 from lab.models import TINY, tiny_weights
 from lab.models import export as ex
@@ -136,3 +137,31 @@ def test_matmul_refuses_a_read_only_out(tmp_path):
     matmul(w, acts, out=out)
     with pytest.raises(ValueError, match="read-only"):
         matmul(w, acts, out=ro)
+
+
+# ----------------------------------------------------------------------------
+# Exports that fail or are killed
+# ----------------------------------------------------------------------------
+
+def test_a_failed_export_leaves_nothing_in_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAB_MODELS", str(tmp_path))
+    with pytest.raises(LabError, match="unknown model"):
+        ex.engine_file("no-such-model", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_killed_export_is_finished_by_the_rerun_and_the_done_one_kept(tmp_path, monkeypatch):
+    """kill -9 mid-export leaves the finished file and the next one's .partial: a rerun
+    redoes only the unfinished one (the finished file keeps its inode and mtime)."""
+    from lab import cli
+    monkeypatch.setenv("LAB_MODELS", str(tmp_path))
+    done = ex.engine_file("tiny-qwen3", progress=False)
+    before = done.stat()
+    torn = tmp_path / "tiny-llama" / "q4-q8out.lab.partial"
+    torn.parent.mkdir()
+    torn.write_bytes(b"LABMODEL" + bytes(100))                # what a killed write leaves
+    assert cli.main(["models", "export", "tiny-qwen3", "tiny-llama"]) == 0
+    after = done.stat()
+    assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert not torn.exists()
+    Engine(tmp_path / "tiny-llama" / "q4-q8out.lab", threads=1, max_context=64)

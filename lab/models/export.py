@@ -114,6 +114,22 @@ def trimmed_output(config: ModelConfig, weights: dict, keep: list[int], fmt: str
     return {"output_trim": quantize(rows, fmt, "output_trim"), "output_ids": ids.astype(np.int32)}
 
 
+def _write_data(tmp: Path, data_offset: int, data_size: int, chunks) -> bytes:
+    """The data region (header space left zero) -> its sha256."""
+    with open(tmp, "wb") as f:
+        f.write(b"\0" * data_offset)
+        for start, blob in chunks:
+            f.seek(start)
+            f.write(blob)
+        f.truncate(data_offset + data_size)
+    h = hashlib.sha256()
+    with open(tmp, "rb") as f:
+        f.seek(data_offset)
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.digest()
+
+
 def write(config: ModelConfig, tensors: dict, path: str | Path, meta: dict | None = None) -> Path:
     """Writes engine-named tensors (beside the target first, then renamed) -> the path."""
     path = Path(path)
@@ -135,29 +151,24 @@ def write(config: ModelConfig, tensors: dict, path: str | Path, meta: dict | Non
         data = len(regions[-1])
         entries.append(ENTRY.pack(name.encode(), fmt, ndim, rows, cols, start, scales, data))
     data_size = off - data_offset
-    h = hashlib.sha256()
     tmp = path.with_name(path.name + ".partial")
-    with open(tmp, "wb") as f:
-        f.write(b"\0" * data_offset)
-        for start, blob in chunks:
-            f.seek(start)
-            f.write(blob)
-        f.truncate(data_offset + data_size)
-    with open(tmp, "rb") as f:
-        f.seek(data_offset)
-        while block := f.read(1 << 24):
-            h.update(block)
-    c = config
-    eos = (list(c.eos_ids) + [-1] * 4)[:4]
-    header = HEADER.pack(MAGIC, VERSION, ARCH_ID[c.arch], c.vocab_size, c.hidden_size, c.intermediate_size,
-                         c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.tokenizer_size, c.max_position,
-                         int(c.tie_embeddings), int(c.qk_norm), int(c.qkv_bias), min(len(c.eos_ids), 4), *eos,
-                         n, c.rope_theta, c.rms_eps, dir_offset, meta_offset, len(meta_blob), data_offset,
-                         data_size, h.digest(), b"")
-    with open(tmp, "r+b") as f:
-        f.write(header)
-        f.write(b"".join(entries))
-        f.write(meta_blob)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:                                   # an error leaves neither a file nor a half-written one
+        digest = _write_data(tmp, data_offset, data_size, chunks)
+        c = config
+        eos = (list(c.eos_ids) + [-1] * 4)[:4]
+        header = HEADER.pack(MAGIC, VERSION, ARCH_ID[c.arch], c.vocab_size, c.hidden_size, c.intermediate_size,
+                             c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.tokenizer_size,
+                             c.max_position, int(c.tie_embeddings), int(c.qk_norm), int(c.qkv_bias),
+                             min(len(c.eos_ids), 4), *eos, n, c.rope_theta, c.rms_eps, dir_offset, meta_offset,
+                             len(meta_blob), data_offset, data_size, digest, b"")
+        with open(tmp, "r+b") as f:
+            f.write(header)
+            f.write(b"".join(entries))
+            f.write(meta_blob)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     remember_verified(path)
     return path
@@ -285,7 +296,6 @@ def engine_file(name: str, scheme: str = "q4-q8out", progress: bool = True) -> P
     out = models_dir() / name / f"{scheme}.lab"
     if out.exists():
         return out
-    out.parent.mkdir(parents=True, exist_ok=True)
     if progress:
         import sys
         print(f"exporting {name} as {scheme} ...", file=sys.stderr)
