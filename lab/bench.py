@@ -207,7 +207,7 @@ def kernels_bench(ks=(1, 2, 4, 8, 16), fmts=("q4", "q8"), threads: int | None = 
     its read ceiling sampled in the same rounds; an L2-resident one at one thread against
     the dot-product issue peak measured in the same run."""
     p = native.path_id(path)
-    n = threads or len(os.sched_getaffinity(0))
+    n = len(os.sched_getaffinity(0)) if threads is None else threads
     peak = dot_peak(native.PATHS[p], iters=300_000 if quick else 2_000_000)
     rounds, reps = (3, 2) if quick else (9, 3)
     pool_all, pool_one = kernels.Pool(n), kernels.Pool(1)
@@ -398,7 +398,7 @@ def threads_bench(target: str, draft: str, scheme: str = "q4-q8out", context: in
     fixed 8-tile hand-outs ("dynamic") or shrinking shares ("guided", the engine's default)."""
     from .engine import Engine
     from .models.export import engine_file
-    n = max_threads or len(os.sched_getaffinity(0))
+    n = len(os.sched_getaffinity(0)) if max_threads is None else max_threads
     configs = [(t, pin, chunk) for t in range(1, n + 1) for pin in ((True, False) if t > 1 else (True,))
                for chunk in (SPLITS if t > 1 else ("static",))]
     rows = []

@@ -10,20 +10,180 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
+from pathlib import Path
 
+from . import native, profiles
 from .errors import LabError
+from .profiles import COUNT, Range
 
 
-def _int_list(s: str) -> list[int]:
-    try:
-        return [int(x) for x in s.split(",") if x]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {s!r}")
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors in the lab's one-line form (the usage is one --help away)."""
 
+    def error(self, message):
+        self.exit(2, f"lab: error: {message} (see {self.prog} --help)\n")
+
+
+def _number(kind, rule):
+    """An argparse type: an int (kind int) or a float within rule, a Range or a function that
+    makes one only when the flag is given (some bounds come from the engine)."""
+    noun = "an integer" if kind is int else "a number"
+
+    def parse(s: str):
+        r = rule() if callable(rule) else rule
+        try:
+            x = kind(s)
+        except ValueError:
+            x = None
+        if x is None or not r.admits(x):
+            raise argparse.ArgumentTypeError(f"must be {noun} {r.text()}, got {s!r}")
+        return x
+    return parse
+
+
+def _list(item):
+    """An argparse type: comma-separated values, each parsed by item."""
+    def parse(s: str) -> list:
+        xs = [item(x) for x in s.split(",") if x.strip()]
+        if not xs:
+            raise argparse.ArgumentTypeError(f"expected comma-separated values, got {s!r}")
+        return xs
+    return parse
+
+
+_COUNT = _number(int, COUNT)
+_THREADS = _number(int, profiles.cpu_threads)
+_GAMMA = _number(int, profiles.guesses)
+_DRAFT_VOCAB = _number(int, Range(0, why="0: the stock draft"))
+_TEMPERATURE = _number(float, Range(0))
+_SEED = _number(int, Range(0, 2 ** 64 - 1))
+DEFAULT_MAX_CONTEXT = 4096     # generate's KV cache unless told (the model's longest context if shorter)
+
+
+# ----------------------------------------------------------------------------
+# Checks that need more than one flag, a model's config or the engine: all before any work
+# ----------------------------------------------------------------------------
+
+def _check_schemes(*flags: tuple[str, str]) -> None:
+    """(flag, scheme) pairs: a bad scheme would otherwise surface only after the model loads."""
+    from .models.twin import SCHEMES
+    for flag, scheme in flags:
+        if scheme not in SCHEMES:
+            raise LabError(f"{flag} {scheme}: not a weights format the engine runs; choose one of {', '.join(SCHEMES)}")
+
+
+def _max_position(name: str) -> int:
+    """The longest context the model was built for (its config's max_position_embeddings)."""
+    from .models import TINY
+    if name in TINY:
+        return TINY[name].max_position
+    from .models.config import ModelConfig
+    from .models.registry import resolve
+    return ModelConfig.load(resolve(name)).max_position
+
+
+def _vocab(name: str) -> int:
+    """The tokens the model's tokenizer knows: its engine's vocabulary, read without its weights."""
+    from .models import TINY
+    if name in TINY:
+        return TINY[name].tokenizer_size
+    from transformers import AutoTokenizer
+    from .models.load import tokenizer_size
+    from .models.registry import resolve
+    return tokenizer_size(AutoTokenizer.from_pretrained(str(resolve(name))))
+
+
+def _check_context(name: str, contexts: list[int], flag: str) -> None:
+    """Contexts past the model's longest would only fail later, in an allocation or in RoPE."""
+    top = _max_position(name)
+    for n in contexts:
+        if n > top:
+            raise LabError(f"{flag} {n} is longer than {name} supports: at most {top} positions "
+                           f"(its config's max_position_embeddings)")
+
+
+def _check_vocab(target: str, draft: str | None) -> None:
+    """A draft proposes the target's token ids, so the two must share one vocabulary."""
+    if draft in (None, "lookup"):
+        return
+    tv, dv = _vocab(target), _vocab(draft)
+    if tv != dv:
+        raise LabError(f"the draft {draft}'s vocabulary ({dv} tokens) differs from the target {target}'s ({tv}): "
+                       f"pick a draft with the target's tokenizer")
+
+
+def _check_speculation(args) -> None:
+    """Flags only speculative decoding reads are errors without a drafter, not silently ignored."""
+    if args.draft and args.lookup:
+        raise LabError("--draft and --lookup exclude each other: --lookup speculates with no draft model "
+                       "(the automatic policy with --draft uses lookup as well)")
+    given = [flag for flag, on in (("--gamma", args.gamma is not None), ("--threshold", args.threshold > 0),
+                                   ("--policy", args.policy is not None)) if on]
+    if given and not (args.draft or args.lookup):
+        raise LabError(f"{' and '.join(given)} only {'applies' if len(given) == 1 else 'apply'} to speculative "
+                       f"decoding: add --draft MODEL or --lookup")
+    if args.draft_vocab is not None and not args.draft:
+        raise LabError("--draft-vocab trims a draft model: add --draft MODEL")
+    fixed = [flag for flag in given if flag != "--policy"]
+    if args.policy == "auto" and fixed:
+        raise LabError(f"{' and '.join(fixed)} only {'applies' if len(fixed) == 1 else 'apply'} to --policy fixed: "
+                       f"the automatic policy picks its own rounds")
+
+
+def _check_fits(args, prompt_tokens: int, max_context: int) -> None:
+    """The prompt, the new tokens and a round's guesses must fit the KV cache."""
+    guesses = (args.gamma or profiles.max_k()) if (args.draft or args.lookup) else 0
+    need = prompt_tokens + args.max_new_tokens + guesses
+    if need > max_context:
+        extra = f" and up to {guesses} guesses a round" if guesses else ""
+        raise LabError(f"the prompt ({prompt_tokens} tokens), --max-new-tokens {args.max_new_tokens}{extra} need a "
+                       f"context of {need}, more than --max-context {max_context}: raise --max-context or lower "
+                       f"--max-new-tokens")
+
+
+def _check_bench(args) -> None:
+    """Each bench's own flags, before it allocates or measures anything."""
+    if args.what == "speculative" and args.policy == "auto" and args.gamma:
+        raise LabError("--gamma only applies to --policy fixed: the automatic policy picks its own rounds "
+                       "(up to --max-gamma)")
+    if args.what in ("decode", "vk", "speculative"):
+        _check_schemes(("--scheme", args.scheme), ("--draft-scheme", args.draft_scheme))
+    if args.what in ("decode", "vk") and args.context:
+        _check_context(args.model, args.context, "--context")
+    if args.what in ("vk", "speculative"):
+        _check_vocab(args.model, args.draft)
+    if args.what == "speculative" and args.prompts and not Path(args.prompts).is_file():
+        raise LabError(f"--prompts {args.prompts}: no such file (give a Spec-Bench-format JSONL)")
+    if args.what == "kernels":
+        from .bench import DRAM_SHAPE
+        unknown = [k for k in args.kernel if k not in DRAM_SHAPE]
+        if unknown:
+            raise LabError(f"--kernel {','.join(unknown)}: no such kernel; the kernels are {', '.join(DRAM_SHAPE)}")
+        top = profiles.max_k()
+        if max(args.k) > top:
+            raise LabError(f"--k {max(args.k)}: a kernel call takes 1 to {top} tokens (the engine's MAX_K)")
+
+
+def _check_models(args) -> None:
+    from .models import registry
+    if args.action != "list" and not args.names:
+        raise LabError(f"lab models {args.action} needs one or more model names; the lab knows: "
+                       f"{', '.join(registry.REGISTRY)}")
+    for name in args.names:
+        if args.action == "fetch" or not Path(name).exists():     # folders and GGUF files are models too
+            registry.spec(name)
+    if args.action == "export":
+        _check_schemes(("--scheme", args.scheme))
+
+
+# ----------------------------------------------------------------------------
+# Commands
+# ----------------------------------------------------------------------------
 
 def cmd_info(args) -> int:
-    from . import native
     info = native.cpu()
     info["library"] = str(native.build())
     if args.json:
@@ -88,6 +248,7 @@ def _print_vk(r: dict) -> None:
 
 def cmd_bench(args) -> int:
     from . import bench
+    _check_bench(args)
     if args.what == "speculative":
         return cmd_bench_speculative(args)
     if args.what == "bandwidth":
@@ -98,7 +259,7 @@ def cmd_bench(args) -> int:
                                (args.context or [256])[0], rounds=args.rounds, stages=args.stages)
         show = _print_decode
     elif args.what == "vk":
-        ks = tuple(args.k) if args.k != [1, 2, 4, 8, 16] else tuple(range(1, 17))
+        ks = tuple(args.k) if args.k != [1, 2, 4, 8, 16] else tuple(range(1, profiles.max_k() + 1))
         r = bench.vk_bench(args.model, args.draft, args.scheme, args.threads[0] if args.threads else None,
                            tuple(args.context or (128, 512, 2048)), ks, rounds=args.rounds, progress=not args.json)
         show = _print_vk
@@ -134,13 +295,13 @@ def cmd_bench_speculative(args) -> int:
     from .engine import Engine
     from .kernels import Pool
     from .models.export import engine_file
+    prompts = speculative.prompts_from(args.prompts, args.per_group)     # a bad file fails before the models load
     pool = Pool(args.threads[0] if args.threads else None)
     target = Engine(engine_file(args.model, args.scheme), pool=pool, max_context=4096)
     draft = _draft_engine(args, pool, 4096)
     gammas = args.gamma or [4]
     pol_name = args.policy or ("fixed" if args.gamma else "auto")
     chosen = speculative.settings(args.draft, pol_name, gammas)
-    prompts = speculative.prompts_from(args.prompts, args.per_group)
     costs = policy.costs_for(target, draft)
     pol = None
     if pol_name == "auto":
@@ -166,6 +327,7 @@ def cmd_bench_speculative(args) -> int:
 
 def cmd_models(args) -> int:
     from .models import registry
+    _check_models(args)
     if args.action == "list":
         rows = [registry.status(n) for n in registry.REGISTRY]
         if args.json:
@@ -215,7 +377,10 @@ def _prompt_ids(model: str, prompt: str, chat: bool):
     """Token ids of the prompt (with the chat template) and the tokenizer; tiny models take ids."""
     from .models import TINY
     if model in TINY:
-        return [int(t) for t in prompt.split()], None
+        try:
+            return [int(t) for t in prompt.split()], None
+        except ValueError:
+            raise LabError(f"{model} has no tokenizer: give the prompt as token ids, e.g. '1 2 3'") from None
     from transformers import AutoTokenizer
     from .models.registry import resolve
     tok = AutoTokenizer.from_pretrained(str(resolve(model)))
@@ -247,14 +412,20 @@ def cmd_generate(args) -> int:
     from .engine import Engine
     from .kernels import Pool
     from .models.export import engine_file
+    _check_speculation(args)
+    _check_schemes(("--scheme", args.scheme), ("--draft-scheme", args.draft_scheme))
+    max_context = args.max_context or min(DEFAULT_MAX_CONTEXT, _max_position(args.model))
+    _check_context(args.model, [max_context], "--max-context")
     prompt = args.prompt if args.prompt != "-" else sys.stdin.read()
     ids, tok = _prompt_ids(args.model, prompt, not args.raw)
+    _check_fits(args, len(ids), max_context)
+    _check_vocab(args.model, args.draft)
     pool = Pool(args.threads)
-    target = Engine(engine_file(args.model, args.scheme), pool=pool, max_context=args.max_context)
+    target = Engine(engine_file(args.model, args.scheme), pool=pool, max_context=max_context)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, seed=args.seed, on_token=_Stream(tok))
     if args.draft or args.lookup:
-        draft = "lookup" if args.lookup else _draft_engine(args, pool, args.max_context)
+        draft = "lookup" if args.lookup else _draft_engine(args, pool, max_context)
         policy = args.policy or ("fixed" if args.gamma or args.threshold else "auto")
         if policy == "auto" and args.lookup:
             draft = None                        # the automatic policy with lookup alone
@@ -286,13 +457,16 @@ def cmd_run(args) -> int:
 def _draft_flags(p) -> None:
     p.add_argument("--draft", help="a draft model for speculative decoding")
     p.add_argument("--draft-scheme", default="q4-q8out")
-    p.add_argument("--draft-vocab", type=int, default=None,
+    p.add_argument("--draft-vocab", type=_DRAFT_VOCAB, default=None,
                    help="the draft's output trimmed to N tokens (default: lab.vocab.DEFAULT_N; 0: stock)")
     p.add_argument("--draft-vocab-format", default="q4", choices=["q4", "q8"])
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lab", description="Speculative decoding on a CPU: the lab's command.")
+    p = _Parser(prog="lab", description="Speculative decoding on a CPU: the lab's command.")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the content-hash check of weights files on their first load: a corrupt or "
+                        "altered file then gives wrong numbers instead of an error (sets LAB_VERIFY=0)")
     sub = p.add_subparsers(dest="command", required=True)
 
     info = sub.add_parser("info", help="this CPU, its kernel paths and the native build")
@@ -310,10 +484,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("action", choices=["list", "fetch", "export", "compare", "ppl"],
                    help="compare: the reference against transformers; ppl: perplexity per format")
     m.add_argument("names", nargs="*", help="models to act on")
-    m.add_argument("--window", type=int, default=256, help="ppl: tokens per window")
-    m.add_argument("--windows", type=int, default=8, help="ppl: how many windows")
+    m.add_argument("--window", type=_COUNT, default=256, help="ppl: tokens per window")
+    m.add_argument("--windows", type=_COUNT, default=8, help="ppl: how many windows")
     m.add_argument("--scheme", default="q4-q8out", help="export: f32, q8, q4 or q4-q8out")
-    m.add_argument("--draft-vocab", type=int, help="export: a draft trimmed to N output tokens (needs --for)")
+    m.add_argument("--draft-vocab", type=_DRAFT_VOCAB, help="export: a draft trimmed to N output tokens (needs --for)")
     m.add_argument("--draft-vocab-format", default="q4", choices=["q4", "q8"])
     m.add_argument("--for", dest="target", help="export --draft-vocab: the target it drafts for")
     m.add_argument("--json", action="store_true")
@@ -328,15 +502,18 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--policy", choices=["fixed", "auto"],
                    help="auto (the default): each round picks lookup, the draft or neither, and how many "
                         "guesses; fixed: --gamma guesses a round (the default when --gamma is given)")
-    g.add_argument("--gamma", type=int, help="fixed guesses per round (1-16; 4 under --policy fixed)")
-    g.add_argument("--threshold", type=float, default=0.0, help="draft stops when its top probability is below")
-    g.add_argument("--max-new-tokens", type=int, default=256)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--threads", type=int)
-    g.add_argument("--max-context", type=int, default=4096)
+    g.add_argument("--gamma", type=_GAMMA,
+                   help="fixed guesses per round (1 to the engine's MAX_K; 4 under --policy fixed)")
+    g.add_argument("--threshold", type=_number(float, Range(0, 1, why="a probability")), default=0.0,
+                   help="draft stops when its top probability is below")
+    g.add_argument("--max-new-tokens", type=_COUNT, default=256)
+    g.add_argument("--temperature", type=_TEMPERATURE, default=0.0)
+    g.add_argument("--top-k", type=_number(int, Range(0, why="0: every token")), default=0)
+    g.add_argument("--top-p", type=_number(float, Range(0, 1, gt=True)), default=1.0)
+    g.add_argument("--seed", type=_SEED, default=0)
+    g.add_argument("--threads", type=_THREADS)
+    g.add_argument("--max-context", type=_COUNT,
+                   help=f"KV cache length in tokens (default {DEFAULT_MAX_CONTEXT}, or the model's longest if shorter)")
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.set_defaults(fn=cmd_generate)
 
@@ -344,44 +521,61 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("what", choices=["bandwidth", "kernels", "decode", "vk", "speculative"])
     b.add_argument("--model", default="qwen2.5-coder-1.5b", help="decode/vk/speculative: the target")
     b.add_argument("--draft", default="qwen2.5-coder-0.5b", help="vk/speculative: the draft ('lookup': none)")
-    b.add_argument("--draft-vocab", type=int, default=None,
+    b.add_argument("--draft-vocab", type=_DRAFT_VOCAB, default=None,
                    help="speculative: the draft's output trimmed to N tokens (default: lab.vocab.DEFAULT_N; 0: stock)")
     b.add_argument("--draft-vocab-format", default="q4", choices=["q4", "q8"])
     b.add_argument("--draft-scheme", default="q4-q8out")
     b.add_argument("--prompts", help="speculative: a Spec-Bench-format JSONL (default: the shipped dev set)")
-    b.add_argument("--per-group", type=int, help="speculative: prompts per group (default: all)")
-    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--per-group", type=_COUNT, help="speculative: prompts per group (default: all)")
+    b.add_argument("--max-new-tokens", type=_COUNT, default=128)
     b.add_argument("--policy", choices=["fixed", "auto"], help="speculative: auto unless --gamma is given")
-    b.add_argument("--gamma", type=_int_list, help="speculative: fixed guesses per round, e.g. 1,2,4")
-    b.add_argument("--max-gamma", type=int, default=8, help="speculative: the automatic policy's longest round")
-    b.add_argument("--temperature", type=float, default=0.0)
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--gamma", type=_list(_GAMMA), help="speculative: fixed guesses per round, e.g. 1,2,4")
+    b.add_argument("--max-gamma", type=_GAMMA, default=8, help="speculative: the automatic policy's longest round")
+    b.add_argument("--temperature", type=_TEMPERATURE, default=0.0)
+    b.add_argument("--seed", type=_SEED, default=0)
     b.add_argument("--calibrate", action="store_true", help="speculative: fit the policy's calibration again")
     b.add_argument("--scheme", default="q4-q8out", help="decode/vk: weights format")
-    b.add_argument("--context", type=_int_list, help="decode: one context (256); vk: several (128,512,2048)")
+    b.add_argument("--context", type=_list(_COUNT), help="decode: one context (256); vk: several (128,512,2048)")
     b.add_argument("--json", action="store_true", help="print machine-readable results")
-    b.add_argument("--threads", type=_int_list, help="thread counts, e.g. 1,2 (kernels: the first)")
-    b.add_argument("--mb", type=int, help="bandwidth buffer size in MB (default 512)")
-    b.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
-    b.add_argument("--k", type=_int_list, default=[1, 2, 4, 8, 16], help="token counts (kernels)")
-    b.add_argument("--kernel", type=lambda s: s.split(","), default=["q4", "q8"], help="q4,q8")
-    b.add_argument("--path", help="force a kernel path: scalar, avx2, avxvnni, avx512vnni")
+    b.add_argument("--threads", type=_list(_THREADS), help="thread counts, e.g. 1,2 (kernels: the first)")
+    b.add_argument("--mb", type=_COUNT, help="bandwidth buffer size in MB (default 512)")
+    b.add_argument("--rounds", type=_COUNT, default=5, help="interleaved rounds")
+    b.add_argument("--k", type=_list(_COUNT), default=[1, 2, 4, 8, 16], help="token counts (kernels)")
+    b.add_argument("--kernel", type=_list(str), default=["q4", "q8"], help="q4,q8")
+    b.add_argument("--path", choices=native.PATHS, help="force a kernel path: scalar, avx2, avxvnni, avx512vnni")
     b.add_argument("--quick", action="store_true", help="smaller matrices and fewer repeats")
     b.add_argument("--stages", action="store_true", help="decode: time each stage of the pass too")
     b.set_defaults(fn=cmd_bench)
     return p
 
 
+def _one_line(e: BaseException) -> str:
+    """The error in one line: the lab's own errors say what to do; any other names its type."""
+    text = "; ".join(line.strip() for line in str(e).splitlines() if line.strip())
+    if isinstance(e, LabError):
+        return text
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
+    try:
+        args = parser().parse_args(argv)
+    except SystemExit as e:                     # argparse has printed its one line (or --help)
+        return e.code if isinstance(e.code, int) else 2
+    if args.no_verify:                          # the environment reaches notebooks' kernels too
+        os.environ["LAB_VERIFY"] = "0"
+        print("lab: note: --no-verify: weights files' content hashes are not checked", file=sys.stderr)
     try:
         return args.fn(args)
-    except (LabError, ValueError, TypeError) as e:
-        print(f"lab: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("lab: interrupted", file=sys.stderr)
         return 130
+    except Exception as e:                      # noqa: BLE001 - one line for the user; LAB_DEBUG=1 for us
+        if os.environ.get("LAB_DEBUG", "") not in ("", "0"):
+            traceback.print_exc()
+        else:
+            print(f"lab: error: {_one_line(e)}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ or speculatively (draft model or prompt lookup). The whole generation loop runs 
 Python hands token ids in and reads tokens and per-stage times out."""
 from __future__ import annotations
 
+import math
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -15,7 +17,7 @@ from .errors import LabError
 from .kernels import Pool, _pool_ptr, check_array, split_code
 
 _STATUS = {1: "the context is longer than the cache", 2: "a token id is outside the vocabulary",
-           3: "the prompt is empty", 4: "gamma must be 1..16", 5: "the draft's vocabulary differs from the target's",
+           3: "the prompt is empty", 4: "gamma is out of range (1..MAX_K)", 5: "the draft's vocabulary differs from the target's",
            6: "the model is not loaded", 7: "a tensor is missing", 8: "the kernel path is not supported",
            9: "a NaN or inf appeared in the activations",
            10: "the automatic policy needs costs and a calibration (lab.policy)"}
@@ -86,12 +88,13 @@ class Engine:
 
     in_memory (default) copies the checked file onto 2 MB pages; False runs straight from
     the read-only mapping of the file (less memory, slower decoding: 4 KB pages). verify
-    (default) checks the file's content hash the first time each version of it loads.
+    checks the file's content hash the first time each version of it loads (default: yes,
+    unless LAB_VERIFY=0, which `lab --no-verify` sets).
     """
 
     def __init__(self, model_file: str | Path, threads: int | None = None, cpus: list[int] | None = None,
                  max_context: int = 4096, path: str | None = None, pool: Pool | None = None,
-                 in_memory: bool = True, verify: bool = True):
+                 in_memory: bool = True, verify: bool | None = None):
         ns = native.lib()
         if not 1 <= int(max_context) < 2 ** 31:
             raise EngineError(f"max_context must be between 1 and 2^31 - 1 tokens, got {max_context}")
@@ -103,7 +106,7 @@ class Engine:
         self._m = ns.Model()
         if not self._m.load(str(self.file), int(max_context), bool(in_memory)):
             raise EngineError(str(self._m.error()))
-        if verify:
+        if verify if verify is not None else os.environ.get("LAB_VERIFY", "1") != "0":
             from .models.export import verify_once
             verify_once(self.file)
         h = self._m.config()
@@ -196,9 +199,9 @@ class Engine:
         ns = native.lib()
         if not 1 <= max_new_tokens:
             raise EngineError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        if mode and not 1 <= gamma <= 16:
-            raise EngineError(f"gamma={gamma} is out of range: one round verifies 1 to 16 guesses")
-        if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
+        if mode and not 1 <= gamma <= int(ns.MAX_K):
+            raise EngineError(f"gamma={gamma} is out of range: one round verifies 1 to {int(ns.MAX_K)} guesses")
+        if not math.isfinite(temperature) or temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
             raise EngineError("temperature >= 0, 0 < top_p <= 1 and top_k >= 0, please")
         gp = ns.GenParams()
         gp.mode, gp.max_new_tokens, gp.gamma, gp.threshold, gp.ngram_max = mode, max_new_tokens, gamma, threshold, ngram

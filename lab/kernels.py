@@ -46,7 +46,7 @@ class Pool:
         ns = native.lib()
         import os
         allowed = sorted(os.sched_getaffinity(0))
-        n = len(cpus) if threads is None and cpus else (threads or len(allowed))
+        n = len(cpus) if threads is None and cpus else (len(allowed) if threads is None else threads)
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"threads must be a positive integer, got {threads!r}")
         if n > len(allowed):

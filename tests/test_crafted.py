@@ -165,3 +165,19 @@ def test_a_killed_export_is_finished_by_the_rerun_and_the_done_one_kept(tmp_path
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
     assert not torn.exists()
     Engine(tmp_path / "tiny-llama" / "q4-q8out.lab", threads=1, max_context=64)
+
+
+def test_no_verify_skips_the_hash_and_says_so(tmp_path, monkeypatch, capsys):
+    from lab import cli
+    monkeypatch.setenv("LAB_MODELS", str(tmp_path))
+    monkeypatch.delenv("LAB_VERIFY", raising=False)
+    f = ex.engine_file("tiny-qwen2", progress=False)
+    raw = bytearray(f.read_bytes())
+    hd = dict(zip(ex.HEADER_KEYS, ex.HEADER.unpack_from(raw)))
+    raw[hd["data_offset"] + 7] ^= 0x01
+    f.write_bytes(bytes(raw))
+    run = ["generate", "--model", "tiny-qwen2", "1 2 3", "--max-new-tokens", "2"]
+    assert cli.main(run) == 2
+    assert "content hash mismatch" in capsys.readouterr().err
+    assert cli.main(["--no-verify", *run]) == 0
+    assert "hashes are not checked" in capsys.readouterr().err
