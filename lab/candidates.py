@@ -53,7 +53,7 @@ def _round(a: Answer, j: int, how: str, gamma: int, min_n: int, room: int):
     d_ok = min(gamma, int(a.draft_run[j]))
     if how == "draft" or proposed == 0 or (how == "rule" and n < min_n):
         return d_ok, 0, gamma, True
-    if how == "lookup":
+    if how in ("lookup", "rule"):
         return min(ok, room), min(proposed, room), 0, False
     proposed = min(proposed, room - gamma)                 # both, in one pass the costs cover
     ok = min(ok, proposed)

@@ -39,3 +39,9 @@ def test_study_picks_each_strategy_at_its_best():
     rows = {r["strategy"]: r for r in study([lookup_right_draft_wrong()], V, 0.2, 0.0)}
     assert rows["draft"]["gamma"] == 1                     # a wrong draft: the shortest round
     assert rows["both"]["speedup"] > rows["draft"]["speedup"]
+
+
+def test_the_rule_takes_lookup_on_a_long_enough_match_and_the_draft_otherwise():
+    a = lookup_right_draft_wrong()                         # every match is 3 long
+    assert replay(a, "rule", 1, V, 0.2, 0.0, min_n=3, look=4) == pytest.approx(replay(a, "lookup", 1, V, 0.2, 0.0, look=4))
+    assert replay(a, "rule", 1, V, 0.2, 0.0, min_n=4, look=4) == pytest.approx(replay(a, "draft", 1, V, 0.2, 0.0))
