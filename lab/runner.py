@@ -47,7 +47,8 @@ def run_one(nb: str, params: dict, out: Path, profile: str) -> dict:
         _html(stage / f"{nb}.ipynb", stage / f"{nb}.html")
         results = stage / f"{nb}.json"
         entry["headline"] = json.loads(results.read_text()).get("headline", {}) if results.exists() else {}
-        for f in stage.iterdir():                        # only now replace the previous report
+        # only now replace the previous report, its page last: a kill in between leaves the old page
+        for f in sorted(stage.iterdir(), key=lambda f: f.suffix == ".html"):
             os.replace(f, out / f.name)
         entry.update(status="ok", html=f"{nb}.html")
     except Exception as e:                               # noqa: BLE001 - reported in the index
@@ -76,7 +77,7 @@ def write_index(out: Path, entries: list[dict], profile: str) -> Path:
             e["previous_report"] = prev[e["notebook"]].get("html")
         prev[e["notebook"]] = e
     m = machine()
-    idx.write_text(json.dumps({"profile": profile, "machine": m, "entries": list(prev.values())}, indent=1))
+    _write_atomic(idx, json.dumps({"profile": profile, "machine": m, "entries": list(prev.values())}, indent=1))
     rows = []
     for e in sorted(prev.values(), key=lambda e: e["notebook"]):
         figs = "<br>".join(f"{html.escape(str(k))}: <b>{html.escape(str(v))}</b>" for k, v in e.get("headline", {}).items())
@@ -98,8 +99,15 @@ border-bottom:1px solid #ddd;text-align:left;vertical-align:top}}</style></head>
 commit {html.escape(str(m['commit']))}, {html.escape(m['date'])}</p>
 <table><tr><th>section</th><th>status</th><th>headline figures</th><th>seconds</th><th>run at</th></tr>
 {''.join(rows)}</table></body></html>"""
-    (out / "index.html").write_text(page)
+    _write_atomic(out / "index.html", page)
     return out / "index.html"
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """Writes beside path and renames: a killed run leaves the old index, never a torn one."""
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def run(selected: list[str] | None, profile: str = "quick", overrides: dict | None = None,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lab.distill import data, teacher
+from lab.distill import train as train_module
 from lab.distill.student import Student
 from lab.distill.train import TrainConfig, batch_at, lr_at, train
 from lab.engine import Engine
@@ -56,13 +57,27 @@ def setup(tmp_path_factory):
     return {"dir": d, "config": c, "student_weights": sw, "items": its, "target": target, "prompts": prompts}
 
 
+class _Counting:
+    """The target engine, counting the answers it generates."""
+
+    def __init__(self, engine):
+        self.engine, self.calls = engine, 0
+
+    def generate(self, ids, max_new_tokens):
+        self.calls += 1
+        return self.engine.generate(ids, max_new_tokens)
+
+
 def test_answers_resume_after_an_interruption(setup, tmp_path):
     cache = tmp_path / "a.jsonl"
     full = data.answers(setup["target"], NAME, setup["prompts"][:6], 24, cache=cache, progress=False)
     lines = cache.read_text().splitlines()
     cache.write_text("\n".join(lines[:3]) + "\n" + lines[3][:10])          # cut off mid-line
-    again = data.answers(setup["target"], NAME, setup["prompts"][:6], 24, cache=cache, progress=False)
+    resumed = _Counting(setup["target"])
+    again = data.answers(resumed, NAME, setup["prompts"][:6], 24, cache=cache, progress=False)
+    assert resumed.calls == 3                                 # the last three only: a restart answers all six
     assert [s.answer for s in again] == [s.answer for s in full]
+    assert cache.read_text().splitlines() == lines            # the torn line gone, not glued to the next
     assert len(full) == 6 and all(len(s.answer) == 24 for s in full)
 
 
@@ -87,7 +102,7 @@ def test_training_lowers_loss_and_raises_agreement(setup, method, lr, qat):
     assert last["alpha_on_stock_misses"] > first["alpha_on_stock_misses"], (first, last)
 
 
-def test_checkpoint_resumes_to_the_same_state(setup, tmp_path):
+def test_checkpoint_resumes_to_the_same_state(setup, tmp_path, monkeypatch):
     its = setup["items"]
     cfg = TrainConfig(loss="fkl", method="lora", lr=1e-2, steps=6, batch=2, warmup=2, eval_every=3,
                       checkpoint_every=1, device="cpu")
@@ -96,8 +111,11 @@ def test_checkpoint_resumes_to_the_same_state(setup, tmp_path):
     ck = tmp_path / "ck.pt"
     train(Student(setup["config"], setup["student_weights"], "lora", rank=4), its[:20], its[20:], cfg, ck,
           stop_at=4, progress=False)
+    steps = []                                                # the steps the resumed run takes
+    monkeypatch.setattr(train_module, "lr_at", lambda cfg, step: (steps.append(step), lr_at(cfg, step))[1])
     resumed = train(Student(setup["config"], setup["student_weights"], "lora", rank=4), its[:20], its[20:], cfg, ck,
                     progress=False)
+    assert steps == [4, 5]                                    # a restart would take all six
     for n, t in straight.student.trainable().items():
         assert torch.equal(t, resumed.student.trainable()[n]), n
     strip = lambda hist: [{k: v for k, v in h.items() if k != "seconds"} for h in hist]
@@ -144,7 +162,22 @@ def test_evaluation_against_the_engine(setup):
     meas = evaluate.speedups(t, {"self": t, "lookup": "lookup"}, [(s.source, s.prompt) for s in samples[:2]], (1, 2), 16)
     assert len(meas) == 2 * 2 * 2 and all(r["speedup"] > 0 for r in meas)
     best = {b["draft"]: b for b in evaluate.best_speedups(meas)}
-    assert best["self"]["tokens_per_round"] > 1.9 and best["self"]["best γ"] in (1, 2)
+    geo = {g: np.exp(np.mean(np.log([r["speedup"] for r in meas if r["draft"] == "self" and r["gamma"] == g])))
+           for g in (1, 2)}
+    assert best["self"]["best γ"] == max(geo, key=geo.get)
+    assert best["self"]["speedup"] == pytest.approx(max(geo.values()))
+    assert best["self"]["tokens_per_round"] > 1.9
+
+
+def test_best_speedups_by_hand():
+    """γ is chosen by geometric mean: γ = 1's speedups 1 and 4 average 2.5 but multiply out
+    to 2, under γ = 2's steady 2.2."""
+    from lab.distill import evaluate
+    rows = [{"draft": "d", "gamma": g, "speedup": s, "tokens_per_round": g + 1.0, "acceptance": a}
+            for g, s, a in ((1, 1.0, 0.2), (1, 4.0, 0.4), (2, 2.2, 0.6), (2, 2.2, 0.8))]
+    (best,) = evaluate.best_speedups(rows)
+    assert best["best γ"] == 2 and best["speedup"] == pytest.approx(2.2)
+    assert best["tokens_per_round"] == 3.0 and best["acceptance"] == pytest.approx(0.7)
 
 
 def test_summarize_by_hand():

@@ -7,6 +7,7 @@ import pytest
 from lab import formats, kernels, native
 
 from .conftest import simd_paths
+from .test_native import ScalarOnlyCPU
 
 SHAPES = [(1, 32), (7, 96), (33, 544), (64, 512), (19, 1056), (130, 2080)]   # odd rows, partial groups
 
@@ -147,16 +148,28 @@ def test_too_many_threads():
         kernels.Pool(1, cpus=[10_000])
 
 
-def test_bad_path_and_chunk(W):
+def test_bad_path_and_chunk(W, monkeypatch):
     x = np.ones((1, 64), np.float32)
     with pytest.raises(ValueError, match="not a kernel path"):
         kernels.matmul(W, x, path="neon")
     for bad in (-1, "fast", True, 2.0):
         with pytest.raises(ValueError, match="split"):
             kernels.matmul(W, x, chunk=bad)
-    if "avxvnni" not in native.supported_paths():
-        with pytest.raises(native.UnsupportedCPU, match="lacks"):
-            kernels.matmul(W, x, path="avxvnni")
+    real = native.lib()
+    monkeypatch.setattr(native, "lib", lambda: ScalarOnlyCPU(real))     # a CPU without SIMD, on any CPU
+    with pytest.raises(native.UnsupportedCPU, match="path='avxvnni' needs .* lacks; it runs: scalar$"):
+        kernels.matmul(W, x, path="avxvnni")
+    assert np.array_equal(bits(kernels.matmul(W, x)), bits(kernels.matmul(W, x, path="scalar")))
+
+
+@pytest.mark.parametrize("path", native.supported_paths())
+def test_forced_path_is_the_default(W, path, monkeypatch, rng):
+    """LAB_KERNEL_PATH sets the path a call without path= takes, read at each call (scalar
+    runs on every CPU, so this runs everywhere)."""
+    monkeypatch.setenv("LAB_KERNEL_PATH", path)
+    assert native.active_path() == path
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    assert np.array_equal(bits(kernels.matmul(W, x)), bits(kernels.matmul(W, x, path=path)))
 
 
 def test_cpp_guards_without_python_checks(ns, W):

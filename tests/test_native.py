@@ -63,11 +63,34 @@ def _lab_info(env_extra):
                           capture_output=True, text=True, env=env, timeout=120)
 
 
+class ScalarOnlyCPU:
+    """The real C++ namespace, answering the path queries as a CPU without SIMD would: the
+    lab's path logic for such a CPU, checked on any CPU."""
+
+    def __init__(self, ns):
+        self._ns = ns
+
+    def __getattr__(self, name):
+        return getattr(self._ns, name)
+
+    def path_supported(self, path):
+        return path == 0
+
+    def best_path(self):
+        return 0
+
+    def active_path(self):
+        return 0
+
+
 @pytest.mark.parametrize("path", ["scalar", "avx2"])
 def test_forced_lower_path(path):
-    if path not in native.supported_paths():
-        pytest.skip(f"this CPU does not run {path}")
+    """A forced path the CPU runs becomes the active one; one it lacks is refused (either way
+    the case checks something: scalar runs everywhere)."""
     r = _lab_info({"LAB_KERNEL_PATH": path})
+    if path not in native.supported_paths():
+        assert r.returncode == 2 and "lacks" in r.stderr
+        return
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["active_path"] == path and info["kernels"]["matmul_q4"] == path
@@ -80,6 +103,22 @@ def test_forced_unknown_or_unsupported_path():
     if missing:
         r = _lab_info({"LAB_KERNEL_PATH": missing[0]})
         assert r.returncode == 2 and "lacks" in r.stderr
+
+
+def test_a_path_the_cpu_lacks_is_refused_on_any_cpu(monkeypatch):
+    cpu = ScalarOnlyCPU(native.lib())
+    monkeypatch.setenv("LAB_KERNEL_PATH", "avx2")
+    with pytest.raises(native.UnsupportedCPU, match="LAB_KERNEL_PATH='avx2' needs .* lacks; it runs: scalar$"):
+        native._check_forced_path(cpu)
+    monkeypatch.setenv("LAB_KERNEL_PATH", "scalar")
+    native._check_forced_path(cpu)                          # the path every CPU runs passes
+    monkeypatch.setattr(native, "lib", lambda: cpu)
+    assert native.supported_paths() == ["scalar"] and native.path_id(None) == 0
+    assert "lacks AVX2" in native.warn_if_slow()
+    with pytest.raises(native.UnsupportedCPU, match="path='avx512vnni' needs .* lacks; it runs: scalar$"):
+        native.path_id("avx512vnni")
+    info = native.cpu()
+    assert info["active_path"] == "scalar" and info["kernels"]["quantize_activations"] == "scalar"
 
 
 def test_cpu_report():

@@ -15,8 +15,18 @@ def test_speedup_textbook_and_cpu():
     assert spec.speedup(0.8, 3, 0.0, v1, 0.0) == pytest.approx(spec.tau(0.8, 3))
     vcpu = {k: 1 + 0.1 * (k - 1) for k in range(1, 10)}
     assert spec.speedup(0.8, 3, 0.3, vcpu, 0.02) == pytest.approx(spec.tau(0.8, 3) / (0.9 + 1.3 + 0.02))
+
+
+def test_best_gamma_by_hand():
+    vcpu = {k: 1 + 0.1 * (k - 1) for k in range(1, 10)}
+    # τ(0.8, γ) / (1.02 + 0.4γ) is 1.8/1.42, 2.44/1.82, 2.952/2.22 for γ = 1, 2, 3, then falls
     g, s = spec.best_gamma(0.8, 0.3, vcpu, 0.02)
-    assert 1 <= g <= 8 and s == max(spec.speedup(0.8, k, 0.3, vcpu, 0.02) for k in range(1, 9))
+    assert g == 2 and s == pytest.approx(2.44 / 1.82)
+    assert spec.best_gamma(0.8, 0.3, vcpu, 0.02, gammas=(3, 5)) == (3, pytest.approx(2.952 / 2.22))
+    assert spec.best_gamma(0.8, 1.0, vcpu, 0.02)[0] == 1                 # a draft as dear as the target
+    free = {k: 1.0 for k in range(1, 10)}
+    assert spec.best_gamma(0.8, 0.0, free, 0.0)[0] == 8                  # free drafts: the longest round
+    assert spec.best_gamma(0.8, 0.0, {k: 1.0 for k in range(1, 5)}, 0.0)[0] == 3   # γ needs v(γ + 1)
 
 
 @pytest.mark.parametrize("alpha", [0.05, 0.4, 0.73, 0.95])

@@ -224,6 +224,27 @@ def tokenize(model: str, texts: list[str]) -> list[list[int]]:
     return [specbench.chat_ids(tok, [t], thinking=False if model.startswith("qwen3") else None) for t in texts]
 
 
+def _read_answers(cache: Path) -> dict:
+    """The complete rows of an answers cache by id. A record is complete once its newline is
+    written; a last line torn by a kill is cut off the file, so the next record appended
+    starts a line of its own instead of joining the torn one."""
+    if not cache.exists():
+        return {}
+    raw = cache.read_bytes()
+    end = raw.rfind(b"\n") + 1
+    if end < len(raw):
+        with open(cache, "r+b") as f:
+            f.truncate(end)
+    done = {}
+    for line in raw[:end].decode(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+            done[row["id"]] = row
+        except (json.JSONDecodeError, KeyError, TypeError):     # a torn line an older lab appended to
+            continue
+    return done
+
+
 def answers(target, name: str, prompts: list[Prompt], max_new_tokens: int, max_prompt_tokens: int = 384,
             cache: Path | None = None, progress: bool = True) -> list[Sample]:
     """The target engine's greedy answers, cached one JSON line per prompt in `cache`
@@ -232,14 +253,7 @@ def answers(target, name: str, prompts: list[Prompt], max_new_tokens: int, max_p
     from ..models.export import content_id
     cache = Path(cache or distill_dir() / f"{name}-{content_id(target.file)[:16]}-answers-{max_new_tokens}.jsonl")
     cache.parent.mkdir(parents=True, exist_ok=True)
-    done = {}
-    if cache.exists():
-        for line in cache.read_text().splitlines():
-            try:
-                row = json.loads(line)
-                done[row["id"]] = row
-            except json.JSONDecodeError:           # a line cut short by an interruption
-                continue
+    done = _read_answers(cache)
     todo = [p for p in prompts if p.id not in done]
     ids = tokenize(name, [p.text for p in todo]) if todo else []
     with open(cache, "a") as f, tqdm(total=len(prompts), initial=len(prompts) - len(todo), desc="target answers",

