@@ -103,3 +103,24 @@ def study(answers: list[Answer], v: dict, c: float, o: float, gammas=(1, 2, 3, 4
         rows.append({"strategy": how, "speedup": s, "gamma": g, "lookup_guesses": k,
                      **({"min_ngram": n} if how == "rule" else {})})
     return rows
+
+
+def report(target: str = "qwen2.5-coder-1.5b", draft: str = "qwen2.5-coder-0.5b", part: str = "train") -> list[dict]:
+    """The study for a pair with its trimmed draft, priced with this machine's cached costs
+    at each of their contexts: `python -c "from lab import candidates; candidates.report()"`."""
+    from . import policy, vocab
+    from .engine import Engine
+    from .kernels import Pool
+    from .models.export import engine_file
+    pool = Pool(None)
+    t = Engine(engine_file(target), pool=pool, max_context=4096)
+    d = Engine(vocab.trimmed_draft_file(draft, target, vocab.DEFAULT_N), pool=pool, max_context=4096)
+    costs = policy.costs_for(t, d)
+    answers = replay_data(t, d, vocab.training_samples(t, target, part=part))
+    rows = []
+    for ctx in costs.contexts:
+        v, c = costs.at(ctx)
+        rows += [{"context": ctx, **r} for r in study(answers, v, c, costs.o)]
+    for r in rows:
+        print(r)
+    return rows
