@@ -65,6 +65,7 @@ bool ModelFile::check_header(const FileHeader& h) {
 // Sizes are compared by subtraction from the file size, so no sum can wrap around 2^64.
 bool ModelFile::check_regions(const FileHeader& h) {
     const uint64_t size = (uint64_t)size_;
+    if (h.dir_offset % alignof(TensorEntry)) return fail("its tensor directory is not 8-byte aligned");
     if (h.dir_offset < sizeof(FileHeader) || h.dir_offset > size ||
         h.n_tensors > (size - h.dir_offset) / sizeof(TensorEntry))
         return fail("its tensor directory runs past the end of the file");
@@ -74,9 +75,14 @@ bool ModelFile::check_regions(const FileHeader& h) {
 }
 
 bool ModelFile::check_tensor(const TensorEntry& e, uint32_t i, const FileHeader& h) {
-    if (std::memchr(e.name, 0, sizeof e.name) == nullptr) return fail("tensor %u has no name", i);
+    const char* end = (const char*)std::memchr(e.name, 0, sizeof e.name);
+    if (end == nullptr || end == e.name) return fail("tensor %u has no name", i);
+    for (const char* c = e.name; c < end; c++)       // names go into messages: printable ASCII only
+        if (*c < 0x20 || *c > 0x7e) return fail("tensor %u's name is not printable text", i);
     if (e.fmt > FMT_I32 || e.ndim < 1 || e.ndim > 2)
         return fail("tensor %s has format %u / %u dims the engine does not know", e.name, e.fmt, e.ndim);
+    if (e.ndim == 1 && e.rows != 1) return fail("tensor %s is 1-D but has %llu rows", e.name,
+                                                (unsigned long long)e.rows);
     const uint64_t lim = 1ull << 31;
     if (e.rows < 1 || e.cols < 1 || e.rows >= lim || e.cols >= lim || e.rows * e.cols >= (1ull << 40))
         return fail("tensor %s has shape %llu x %llu, outside what the engine holds", e.name,
@@ -88,7 +94,7 @@ bool ModelFile::check_tensor(const TensorEntry& e, uint32_t i, const FileHeader&
         want_s = (uint64_t)packed_scale_count((int)e.rows, (int)e.cols) * 2;
         want_d = (uint64_t)packed_byte_count((int)e.fmt, (int)e.rows, (int)e.cols);
     }
-    if (e.scales_bytes != want_s || e.data_bytes < want_d || e.data_bytes > h.data_size)
+    if (e.scales_bytes != want_s || e.data_bytes != want_d)
         return fail("tensor %s's sizes do not match its shape", e.name);
     const uint64_t span = (want_s + 63) / 64 * 64 + e.data_bytes;      // both bounded above
     if (e.offset % 64 || e.offset < h.data_offset || e.offset - h.data_offset > h.data_size ||

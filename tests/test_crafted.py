@@ -1,5 +1,7 @@
 """Crafted and corrupt weights files: each is refused with a message that names the
 problem, by the C++ reader (Engine) and the Python reader alike -- never a signal."""
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -82,7 +84,8 @@ def _entry_patched(good, tmp_path, i, **fields):
 
 
 @pytest.mark.parametrize("fields, match", [
-    (dict(rows=2 ** 62), "shape"),
+    (dict(cols=2 ** 62), "shape"),
+    (dict(rows=3), "1-D but has 3 rows"),
     (dict(offset=U64 - 64), "outside the data region"),
     (dict(data_bytes=U64 - 1), "sizes do not match"),
     (dict(fmt=9), "format 9"),
@@ -181,3 +184,18 @@ def test_no_verify_skips_the_hash_and_says_so(tmp_path, monkeypatch, capsys):
     assert "content hash mismatch" in capsys.readouterr().err
     assert cli.main(["--no-verify", *run]) == 0
     assert "hashes are not checked" in capsys.readouterr().err
+
+
+CRASHES = sorted((Path(__file__).parent.parent / "fuzz" / "crashes").glob("*"))
+
+
+@pytest.mark.parametrize("path", CRASHES, ids=[p.name for p in CRASHES])
+def test_every_input_the_fuzzers_crashed_on_is_now_a_message(path, tmp_path):
+    f = tmp_path / "in.lab"
+    f.write_bytes(path.read_bytes())
+    try:                               # the engine ignores the JSON part, so some of these load there
+        Engine(f, threads=1, max_context=64)
+    except (EngineError, ex.ModelFileError):
+        pass
+    with pytest.raises(ex.ModelFileError):
+        ex.read(f)

@@ -199,7 +199,7 @@ def read(path: str | Path) -> ModelFile:
     try:
         meta = json.loads(raw[hd["meta_offset"]:hd["meta_offset"] + hd["meta_size"]])
         config = ModelConfig(**meta["config"])
-    except (ValueError, TypeError, KeyError, ArithmeticError) as e:
+    except (ValueError, TypeError, KeyError, ArithmeticError, RecursionError) as e:
         raise ModelFileError(f"{path}: its metadata is not readable ({type(e).__name__}: {e}): export it again")
     differ = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                           "num_kv_heads", "head_dim", "tokenizer_size") if getattr(config, k) != hd[k]]
