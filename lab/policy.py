@@ -84,9 +84,13 @@ class Costs(BaseModel):
     o_sampled: float
 
     def at(self, context: int) -> tuple[dict[int, float], float]:
-        """v (k -> v(k)) and c at the measured context nearest to `context`."""
-        i = int(np.argmin([abs(c - context) for c in self.contexts]))
-        return {k: x for k, x in enumerate(self.v[i]) if k}, self.c[i]
+        """v (k -> v(k)) and c at `context`, linear between the measured contexts (constant
+        past either end): attention's share of a pass grows with the context, so the
+        nearest measured one would price a 1,000-token prompt at 512's costs."""
+        xs = np.asarray(self.contexts, float)
+        v = np.asarray(self.v, float)
+        vk = [float(np.interp(context, xs, v[:, k])) for k in range(1, v.shape[1])]
+        return dict(enumerate(vk, 1)), float(np.interp(context, xs, self.c))
 
 
 def machine_id(threads: int) -> dict:

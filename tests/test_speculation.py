@@ -325,3 +325,10 @@ def test_prediction_counts_each_rounds_cost():
     run.per_round, run.kinds, run.rounds = [(2, 2), (3, 1), (1, 0)], ["draft", "lookup", "draft"], 3
     want = 6 / ((1.2 + 0.2 * 2) + 1.3 + (1.1 + 0.2 * 1.3))
     assert S.predicted(run, costs) == pytest.approx(want)
+
+
+def test_costs_between_measured_contexts_are_interpolated():
+    costs = P.Costs(machine={}, target="t", draft="d", contexts=[128, 512, 2048],
+                    v=[[0, 1, 1.1], [0, 1, 1.2], [0, 1, 1.6]], c=[0.2, 0.3, 0.4], o=0.0, o_sampled=0.0)
+    assert costs.at(1280) == ({1: 1.0, 2: pytest.approx(1.4)}, pytest.approx(0.35))   # halfway 512..2048
+    assert costs.at(64) == ({1: 1.0, 2: 1.1}, 0.2) and costs.at(9000) == ({1: 1.0, 2: 1.6}, 0.4)
