@@ -2,7 +2,7 @@
 //
 // The shapes follow ggml's Q8_0 and Q4_0 so a GGUF path stays open, but tensors are
 // stored split: all of a tensor's fp16 scales first, then all of its quantized bytes.
-// The rounding rules are those of SCIENCE.md §3 and are mirrored byte for byte by
+// The rounding rules are those of docs/science.md §2 and are mirrored byte for byte by
 // lab/formats.py.
 #pragma once
 #include <cstdint>

@@ -3,7 +3,8 @@
 // all in C++ so no Python lands in a timing.
 //
 // Invariant at the start of every round: the target's KV cache holds every token but the
-// last (`pending`); the draft's holds a prefix of them.
+// last (`pending`); the draft's holds a prefix of them. The cost model the automatic
+// policy plans with is docs/science.md §1; the acceptance rule, §4.
 #include <algorithm>
 #include <cmath>
 #include <vector>

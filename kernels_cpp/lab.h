@@ -66,19 +66,18 @@ private:
 
 int online_cpus();
 
-// The matmuls' split: guided, shares shrinking to ~96 KB of weights. A weight stream wants
-// long runs per thread (each jump restarts the prefetchers and strands the prefetches past a
-// run's end; 96 KB runs cost ~20% of the read rate when the bus is fast), and the shrinking
-// tail keeps the threads finishing together on a shared machine. A matrix under 4 MB goes
-// in static halves instead: each hand-out is an atomic on a line the other cores share, and
-// on so short a stream those transfers cost more than the balancing buys (fast-bus state,
-// qkv 0.73 -> 0.83 and o 0.68 -> 0.78 of the read ceiling; slow state a point better).
+// The matmuls' split: guided, shares shrinking to 96 KB of weights, because a weight stream
+// wants long runs per thread (each jump restarts the prefetchers and strands the prefetches
+// past a run's end) while the shrinking tail keeps the threads finishing together on a
+// shared machine. A matrix under 4 MB goes in static halves instead: each hand-out is an
+// atomic on a line the other cores share, which on so short a stream costs more than the
+// balancing buys. The measurements behind both numbers: docs/tuning.md.
 constexpr int SPLIT_GUIDED = -1;
 constexpr int64_t GUIDED_MIN_BYTES = 96 << 10;
 constexpr int64_t GUIDED_FROM_BYTES = 4 << 20;
 
 // ----------------------------------------------------------------------------
-// Block formats (split layout: scales region, then bytes region)
+// Block formats (split layout: scales region, then bytes region; docs/science.md §2)
 // ----------------------------------------------------------------------------
 
 // FMT_I32 only in the weights file: token ids (a trimmed draft's output rows).
@@ -200,7 +199,8 @@ int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path,
            ThreadPool* pool, int chunk);
 
 // ----------------------------------------------------------------------------
-// The engine's weights file (written by lab/models/export.py), memory-mapped read-only
+// The engine's weights file (written by lab/models/export.py, described in
+// docs/file-format.md), memory-mapped read-only
 // ----------------------------------------------------------------------------
 
 enum Arch : uint32_t { ARCH_QWEN3 = 1, ARCH_QWEN2 = 2, ARCH_LLAMA = 3 };
@@ -348,7 +348,7 @@ struct Rng {                         // xoshiro256**, seeded through splitmix64
 // entries <= 0 are never drawn (all of them <= 0: the argmax).
 int sample(const float* probs, int n, Rng& rng);
 
-// SCIENCE.md §3: accept draft token x with probability min(1, p(x)/q(x)); on rejection
+// docs/science.md §4: accept draft token x with probability min(1, p(x)/q(x)); on rejection
 // draw from max(0, p - q) renormalised. Returns x when accepted, else the resampled token;
 // *accepted says which.
 int accept_or_resample(const float* p, const float* q, int n, int x, Rng& rng, bool* accepted);

@@ -5,7 +5,7 @@
 // accumulates acc = fma(float(isum), d_w * d_a, acc) over its blocks in order. Tiles put
 // one row in each register lane, so no path ever sums across lanes, and the scalar
 // reference, AVX2, AVX-VNNI and AVX-512 VNNI agree bit for bit — as do a k-token call
-// and k single-token calls, and any split of the tiles over threads.
+// and k single-token calls, and any split of the tiles over threads (docs/science.md §3).
 #include <immintrin.h>
 
 #include <array>
@@ -158,22 +158,15 @@ namespace avx512 {
 #endif
 // How far ahead a thread asks for its weight stream (tiles are contiguous), in bytes of a
 // 4-bit stream (an 8-bit one goes the same number of blocks, twice the bytes), one request
-// per line. One token is bound by the stream: LAB_PREFETCH into L1 and nothing more (a
-// microbenchmark, both threads, fast-bus state: 8 KB ahead gave 1.02 of the read loop's
-// rate; an L2 request further ahead cost the engine's single-token pass 10-14%). Several
-// tokens are bound by arithmetic as much as by the stream, and the hardware prefetcher
-// falls behind a stream read that slowly: requests into L2 16 KB ahead and into L1 4 KB
-// ahead made the engine's 2-, 4- and 8-token passes 7-15% faster in the fast-bus state and
-// the 4- and 8-token ones 15% in the slow one (one process, variants interleaved).
+// per line. One token is bound by the stream, so it asks LAB_PREFETCH ahead into L1 and
+// nothing more: a further request into L2 slowed it. Several tokens are bound by arithmetic
+// as much as by the stream, and the hardware prefetcher falls behind a stream read that
+// slowly, so they ask into L2 far ahead and into L1 near. Measurements: docs/tuning.md.
 constexpr int PREFETCH = LAB_PREFETCH;
 constexpr int PREFETCH_L1_K = 4096, PREFETCH_L2_K = 16384;      // k >= 2
-// Which kernels take the single-token scheme: one token, and two where the stream still
-// binds them. On a Zen 4 EPYC (31-56 GB/s for two cores) that was the 8-bit output layer
-// (its share of a 2-token pass 5.86 -> 5.27 ms in the fast-bus state, slow unchanged); the
-// 4-bit matrices got slower (down 5.09 -> 5.87 ms). On an Ice Lake Xeon (~23 GB/s) the 4-bit
-// ones at two tokens gained too (the 1.5B's 2-token pass 0.975-0.982x in three runs,
-// gate_up 20.1 -> 19.2 ms) and at four lost (1.02x); its 8-bit layer at two wanted it as
-// well (1.016x without). The vendor stands in for the memory system: the two machines measured.
+// Which kernels take the single-token scheme: one token, and two tokens where the stream
+// still binds them -- 8-bit matrices everywhere, 4-bit ones only on Intel. The vendor is a
+// stand-in for the memory systems of the two machines measured (docs/tuning.md), not a rule.
 constexpr bool stream_bound(int fmt, int k, bool intel) { return k == 1 || (k == 2 && (fmt == FMT_Q8 || intel)); }
 
 // s + w . (the 4 activation bytes at a, in every lane), the bytes broadcast by the
@@ -183,16 +176,12 @@ static inline __m512i dpbusd_bcst(__m512i s, __m512i w, const int8_t* a) {
     return s;
 }
 
-// k is a template argument: the accumulators then stay in registers and the token loop
-// unrolls. With k known only at run time they lived on the stack, a load and a store per
-// token and block; from L2, one thread, this form takes 0.75x the time per block at k = 1
-// and 2, 0.90x at k = 4 (q4; q8 0.82x), the same bits. In the engine (1.5B, fast-bus
-// state) passes take 0.96x at k = 1, 0.92x at k = 3 and 4, 0.91x at k = 8 -- but two
-// stream-bound cases got slower: q4 at k = 2 (the pass 1.09x) and the q8 output layer at
-// k = 4 (+0.9 ms). There the accumulators still go through memory each block (an empty asm
-// taking each as a memory operand), which measured better (k = 2 pass within 2-3% of the
-// run-time kernel; output at k = 4 -0.7 ms); q8 at k = 2 measured the same either way.
-// Measured, not understood.
+// k is a template argument, so the accumulators stay in registers and the token loop
+// unrolls instead of loading and storing each accumulator per token and block. Two
+// stream-bound cases, q4 at k = 2 and q8 at k = 4, measured slower that way, so there the
+// accumulators still go through memory each block (an empty asm taking each as a memory
+// operand), and so does q8 at k = 2, which measured the same either way; measured, not
+// understood (docs/tuning.md).
 constexpr bool through_memory(int fmt, int k) { return k == 2 || (fmt == FMT_Q8 && k == 4); }
 
 // One tile's rows for the G tokens from `tok0` on, every block in order, in a pass of K
@@ -244,10 +233,8 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
 }
 
 // More than 8 tokens take a tile in two groups, the second reading the tile's weights again
-// from cache. In one group, up to 16 accumulators beside a block's 8 weight registers crowd
-// the 32 registers: the compiler spilled them (K = 16 did not even unroll), and from L2, one
-// thread (Ice Lake), k = 12 and 16 ran at 0.43 and 0.38 of the vpdpbusd peak against 0.61
-// at k = 8; in two groups 0.52-0.55. k = 9 measured alike either way, 10 and 11 better split.
+// from cache, because in one group up to 16 accumulators beside a block's 8 weight registers
+// crowd the 32 registers and the compiler spills them (docs/tuning.md).
 template <int FMT, int K, bool SINGLE>
 static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1) {
     constexpr int G1 = K <= 8 ? K : (K + 1) / 2, G2 = K - G1;

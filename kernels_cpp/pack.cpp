@@ -1,4 +1,5 @@
-// pack.cpp — from the split layout (row after row) to the kernels' tiles of 16 rows.
+// pack.cpp — from the split layout (row after row) to the kernels' tiles of 16 rows
+// (the layout: lab.h, PackedMat, and docs/science.md §2).
 #include <sys/mman.h>
 
 #include <cstdlib>

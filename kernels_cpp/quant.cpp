@@ -1,5 +1,6 @@
 // quant.cpp — quantizers for weights (8- and 4-bit) and activations (8-bit), and the
-// activation buffer the kernels read. lab/formats.py mirrors every rule byte for byte.
+// activation buffer the kernels read. lab/formats.py mirrors every rule byte for byte
+// (docs/science.md §2).
 #include <immintrin.h>
 
 #include <cmath>
@@ -258,9 +259,9 @@ int QActs::quantize_blocks(const float* x, int64_t b0, int64_t b1, int path, int
                : path == PATH_SCALAR                                 ? quantize_act_scalar
                                                                      : quantize_act_avx2;
     if (!path_supported(path)) block = quantize_act_scalar;
-    // Whole lines of zeros first, then the blocks' scattered 4- and 16-byte stores. In this
-    // machine's fast-bus state a 4-token call right after a matmul took ~14 us (~3 us when
-    // repeated at once); with the memset ~7.5 us, in the engine (PREFETCHW did not help).
+    // Whole lines of zeros first, then the blocks' scattered 4- and 16-byte stores: partial
+    // stores into lines another core has just read were slow, and whole-line writes avoid
+    // that (docs/tuning.md).
     std::memset(q_ + b0 * QK, 0, (size_t)(b1 - b0) * QK);
     for (int32_t* a : {(int32_t*)d_, s_, c4_, c8_}) std::memset(a + b0, 0, (size_t)(b1 - b0) * 4);
     for (int64_t b = b0; b < b1; b++) {

@@ -1,5 +1,6 @@
 // sampling.cpp — the seeded generator, the warped distribution (temperature, top-k,
-// top-p), sampling from it, and the acceptance rule of speculative sampling.
+// top-p), sampling from it, and the acceptance rule of speculative sampling
+// (docs/science.md §4).
 #include <algorithm>
 #include <cmath>
 #include <numeric>

@@ -1,4 +1,4 @@
-"""The measuring protocol (SCIENCE.md §4) and the benchmarks built on it.
+"""The measuring protocol (docs/science.md §7) and the benchmarks built on it.
 
 Warm up; interleave the things compared (A B A B ...); report medians with the
 interquartile range; measure the ceiling in the same run as what is compared with it;

@@ -5,6 +5,7 @@ from zero. 4-bit weights: d = (value of largest magnitude, sign kept)/-8 as fp16
 q = clamp(floor(w/d + 8.5), 0, 15), low nibbles hold weights 0-15, high nibbles 16-31.
 8-bit activations: like 8-bit weights but with an fp32 scale, plus each block's sum.
 A quantized tensor is stored split: its fp16 scales region, then its bytes region.
+The rules and the tile layout are explained in docs/science.md §2.
 """
 from __future__ import annotations
 

@@ -20,7 +20,8 @@ from .errors import NativeBuildError, UnsupportedCPU
 SOURCE_DIR = Path(__file__).resolve().parent.parent / "kernels_cpp"
 HEADER = "lab.h"
 # -ffp-contract=off: no fused multiply-add behind our back, so the scalar reference and
-# the SIMD paths round identically. No -ffast-math, ever: exactness tests depend on it.
+# the SIMD paths round identically. No -ffast-math, ever: exactness tests depend on it
+# (docs/science.md §3).
 FLAGS = ["-O3", "-std=c++20", "-fPIC", "-shared", "-pthread", "-ffp-contract=off",
          "-fno-fast-math", "-Wall", "-Wno-uninitialized", "-Wno-maybe-uninitialized"]
 PATHS = ("scalar", "avx2", "avxvnni", "avx512vnni", "vnni256evex")

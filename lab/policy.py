@@ -1,5 +1,5 @@
 """The automatic speculation policy: what the round loop needs to decide a round, and where
-it comes from.
+it comes from (the cost model it plans with: docs/science.md §1).
 
 - Costs: this machine's v(k), c and o at a few contexts, measured once per machine and pair
   of models (lab.bench's protocol: interleaved, medians of paired ratios) and cached under

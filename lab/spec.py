@@ -1,4 +1,4 @@
-"""The cost model of speculative decoding (SCIENCE.md §1) and what it needs from a run.
+"""The cost model of speculative decoding (docs/science.md §1) and what it needs from a run.
 
     speedup(γ) = τ(γ) / (γ·c + v(γ+1) + o),     τ(γ) = (1 − α^(γ+1)) / (1 − α)
 """
@@ -64,7 +64,7 @@ def best_gammas(table: list[dict], gammas) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------
-# The offline round simulator (SCIENCE.md §3): rounds replayed from teacher-forced
+# The offline round simulator (docs/science.md §5): rounds replayed from teacher-forced
 # distributions along the target's own text, no engine in the loop.
 # ----------------------------------------------------------------------------
 

@@ -1,5 +1,5 @@
-"""How closely the PyTorch twin tracks the engine (SCIENCE.md §3): top-1 agreement and mean
-total-variation distance of their next-token distributions, position by position."""
+"""How closely the PyTorch twin tracks the engine (docs/science.md §6): top-1 agreement and
+mean total-variation distance of their next-token distributions, position by position."""
 from __future__ import annotations
 
 import numpy as np

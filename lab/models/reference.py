@@ -1,4 +1,4 @@
-"""The from-scratch PyTorch reference for Qwen3, Qwen2 and Llama (SCIENCE.md §3).
+"""The from-scratch PyTorch reference for Qwen3, Qwen2 and Llama (docs/science.md §6).
 
 Written to be read: one function per idea, an explicit KV cache laid out like the
 engine's ([layer][kv_head][position][head_dim]), and forward(tokens[k], pos) serving

@@ -1,6 +1,6 @@
 """The quantization twin: the reference with weights in the lab's block formats,
 activations fake-quantized to 8-bit blocks at every matmul input, and the KV cache
-rounded to fp16 — so PyTorch predicts what the engine computes (SCIENCE.md §3: closely,
+rounded to fp16 — so PyTorch predicts what the engine computes (docs/science.md §6: closely,
 never elementwise)."""
 from __future__ import annotations
 
