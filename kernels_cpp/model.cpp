@@ -4,7 +4,8 @@
 // gate/up, SiLU, down, and the output layer (only the tokenizer's rows).
 //
 // Every step treats each token alike whatever k is — the same kernels, summation order
-// and split over threads — so a k-token pass equals k single-token passes bit for bit.
+// and split over threads — so a k-token pass equals k single-token passes bit for bit
+// (docs/science.md §3).
 #include <immintrin.h>
 #include <unistd.h>
 
@@ -192,8 +193,9 @@ void swiglu_scalar(const float* gate, const float* up, float* out, int n) {
 
 // RMSNorm's sum of squares, in double: value i goes to lane i % 16 and the lanes are then
 // added in halves (8 + 8, 4 + 4, 2 + 2, 1 + 1). One order for the reference and the AVX2
-// version, which agree bit for bit; a single chain of 1536 dependent adds cost more than
-// the rest of the norm (a float's square is exact in double, so a multiply-add is too).
+// version, which agree bit for bit; a single chain of dependent adds over the hidden size
+// cost more than the rest of the norm (docs/tuning.md). A float's square is exact in
+// double, so a multiply-add is too.
 constexpr int SS_LANES = 16;
 
 double fold_lanes(double* l, const float* x, int i, int n) {
@@ -316,6 +318,8 @@ bool Model::Impl::bind(const char* name, Mat& m, int rows, int cols) {
     if (!e) return fail(std::string("the file has no tensor ") + name);
     if ((int)e->rows != rows || (int)e->cols != cols)
         return fail(std::string("tensor ") + name + " has a shape that does not match the header");
+    if (e->fmt != FMT_F32 && e->fmt != FMT_Q8 && e->fmt != FMT_Q4)
+        return fail(std::string("tensor ") + name + " is not a weight matrix (f32, q8 or q4)");
     m.fmt = (int)e->fmt; m.rows = rows; m.cols = cols;
     if (e->fmt == FMT_F32) m.f32 = (const float*)file.data(e);
     else m.pm = file.matrix(e);
@@ -549,11 +553,10 @@ void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int pat
     const int D = h.head_dim, KV = h.num_kv_heads, group = h.num_heads / KV;
     const float scale = (float)std::pow((double)D, -0.5);
     const size_t per_thread = (size_t)att_rows * max_ctx + 8 * D + 16;
-    // 512 bits on the AVX-512 path: on an Ice Lake Xeon (1.5B, in-process A/B) attention
-    // took 0.75-0.87x the time at context 256 and 2048 and a 4-token pass at 2048 0.85x; but
-    // any 512-bit float math in attention made the next matmuls ~3% slower there (the core's
-    // clock, presumably), so a 1-token pass at 256 took 1.02x and at 2048 1.00x. The width is
-    // fixed per path: a k-token pass must equal k single-token passes bit for bit.
+    // 512 bits on the AVX-512 path, because attention's own time falls by more than the
+    // 512-bit float math slows the matmuls after it, except in a short single-token pass
+    // (docs/tuning.md). The width is fixed per path: a k-token pass must equal k
+    // single-token passes bit for bit.
     const AttendFn attend = path == PATH_SCALAR                       ? attend_scalar
                           : path == PATH_AVX512VNNI && D % 16 == 0 ? att512::attend
                                                                   : att256::attend;

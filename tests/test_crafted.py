@@ -199,3 +199,17 @@ def test_every_input_the_fuzzers_crashed_on_is_now_a_message(path, tmp_path):
         pass
     with pytest.raises(ex.ModelFileError):
         ex.read(f)
+
+
+def test_a_weight_matrix_stored_as_ids_is_refused(tmp_path):
+    """An i32 tensor where a matrix belongs would be read as q8 tiles, past its bytes."""
+    c = TINY["tiny-qwen3"]
+    f32 = ex.export(c, tiny_weights(c), tmp_path / "f32.lab", "f32")        # i32 has f32's sizes
+    raw = f32.read_bytes()
+    hd = dict(zip(ex.HEADER_KEYS, ex.HEADER.unpack_from(raw)))
+    names = [ex.ENTRY.unpack_from(raw, hd["dir_offset"] + i * ex.ENTRY.size)[0].rstrip(b"\0").decode()
+             for i in range(hd["n_tensors"])]
+    with pytest.raises(EngineError, match="embed is not a weight matrix"):
+        Engine(_entry_patched(f32, tmp_path, names.index("embed"), fmt=3), threads=1, max_context=64)
+    with pytest.raises(EngineError, match="norm is not an f32 vector"):
+        Engine(_entry_patched(f32, tmp_path, names.index("norm"), fmt=3), threads=1, max_context=64)
