@@ -232,9 +232,12 @@ def kernels_bench(ks=(1, 2, 4, 8, 16), fmts=("q4", "q8"), threads: int | None = 
 # The engine: decode rate against the ceiling, v(k), c, o
 # ----------------------------------------------------------------------------
 
-def _forward_samples(engine, tokens: np.ndarray, pos: int, mode: int, reps: int) -> list[float]:
+def _forward_samples(engine, tokens: np.ndarray, pos: int, reps: int) -> list[float]:
+    """Seconds for each of reps passes over tokens at pos: one token's pass makes the last
+    logits (a decode step), k tokens' every position's (a verification)."""
     ns = native.lib()
     k = tokens.size
+    mode = native.consts().logits["last" if k == 1 else "all"]
     logits = np.zeros((k, engine.vocab), np.float32)
     secs = np.zeros(reps)
     rc = ns.bench_forward(engine._m, tokens, k, pos, mode, engine.pool._pool, engine.path_id, reps, secs, logits)
@@ -268,7 +271,7 @@ def decode_bench(model: str, scheme: str = "q4-q8out", threads: int | None = Non
 
     def step():
         e.profile(stages)
-        secs = _forward_samples(e, tok, context, 1, reps)
+        secs = _forward_samples(e, tok, context, reps)
         if stages:
             per_round.append({k: v / (reps + 1) for k, v in e.stage_seconds().items()})   # + the warm-up pass
             e.profile(False)
@@ -324,9 +327,9 @@ def vk_bench(target: str, draft: str | None = None, scheme: str = "q4-q8out", th
         for d in drafts.values():
             d.forward(ids, 0, logits="none")
         batch = {k: np.random.default_rng(k).integers(0, t.vocab, k).astype(np.int32) for k in ks}
-        cands = {f"k{k}": (lambda k=k: _forward_samples(t, batch[k], ctx, 2 if k > 1 else 1, reps)) for k in ks}
+        cands = {f"k{k}": (lambda k=k: _forward_samples(t, batch[k], ctx, reps)) for k in ks}
         for s, d in drafts.items():
-            cands[f"draft-{s}"] = lambda d=d: _forward_samples(d, batch[1], ctx, 1, reps)
+            cands[f"draft-{s}"] = lambda d=d: _forward_samples(d, batch[1], ctx, reps)
         samples = interleave(cands, rounds)
         one = samples["k1"]
         for k in ks:
@@ -346,7 +349,7 @@ def overhead(target, draft=None, gamma: int = 4, tokens: int = 64) -> dict:
     """o: the time a round spends outside the model passes (picking tokens, the acceptance
     rule), per round, over one target step — greedy and sampled (temperature 1)."""
     prompt = list(np.random.default_rng(1).integers(0, target.vocab, 32))
-    step = float(np.median(_forward_samples(target, np.array(prompt[-1:], np.int32), 32, 1, 5)))
+    step = float(np.median(_forward_samples(target, np.array(prompt[-1:], np.int32), 32, 5)))
     out = {"target_step_ms": step * 1e3}
     for label, temp in (("greedy", 0.0), ("sampled", 1.0)):
         d = draft if draft is not None else "lookup"
@@ -412,9 +415,9 @@ def threads_bench(target: str, draft: str, scheme: str = "q4-q8out", context: in
         de.forward(ids, 0, logits="none")
         one = ids[-1:].copy()
         batch = np.resize(ids, gamma + 1).astype(np.int32)
-        cands = {"draft step": lambda: _forward_samples(de, one, context, 1, reps),
-                 "target step": lambda: _forward_samples(te, one, context, 1, reps),
-                 f"verification (k={gamma + 1})": lambda: _forward_samples(te, batch, context, 2, reps)}
+        cands = {"draft step": lambda: _forward_samples(de, one, context, reps),
+                 "target step": lambda: _forward_samples(te, one, context, reps),
+                 f"verification (k={gamma + 1})": lambda: _forward_samples(te, batch, context, reps)}
         for phase, secs in interleave(cands, rounds).items():
             st = summary(flat(secs))
             rows.append({"phase": phase, "threads": t, "pinned": pin, "split": chunk,

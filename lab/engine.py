@@ -116,7 +116,7 @@ class Engine:
         self.num_layers = int(h.num_layers)
         self.max_context = int(max_context)
         self.eos_ids = [int(h.eos[i]) for i in range(int(h.n_eos))]
-        self.arch = {1: "qwen3", 2: "qwen2", 3: "llama"}[int(h.arch)]
+        self.arch = {i: a for a, i in native.consts().archs.items()}[int(h.arch)]
         self.trimmed = bool(self._m.out_ids())     # a draft whose logits cover only some tokens
 
     @property
@@ -181,7 +181,7 @@ class Engine:
         k = ids.size
         if pos < 0 or pos + k > self.max_context:
             raise EngineError(f"positions {pos}..{pos + k - 1} do not fit the cache of {self.max_context}")
-        mode = {"none": 0, "last": 1, "all": 2}[logits]
+        mode = native.consts().logits[logits]
         out = np.zeros((k if mode == 2 else 1, int(self._m.out_rows())), np.float32)
         hid = np.zeros((self.num_layers, k, self.hidden_size), np.float32) if hidden else None
         import cppyy

@@ -11,8 +11,7 @@ import numpy as np
 from . import native
 from .formats import ALIGN, BYTES_PER_BLOCK, QK, QTensor, QuantizationError, aligned_copy, aligned_empty
 
-MAX_K = 16
-_FMT_ID = {"q8": 1, "q4": 2}
+_QUANTIZED = ("q8", "q4")            # the formats the kernels take
 _MM_ERRORS = {1: "unknown weight format", 2: "shapes do not match", 3: "k out of range",
               4: "kernel path not supported by this CPU"}
 
@@ -117,8 +116,8 @@ def quantize_acts(x: np.ndarray, path: str | None = None) -> Acts:
 def check_qtensor(W: QTensor, name: str = "W") -> None:
     if not isinstance(W, QTensor):
         raise TypeError(f"{name} must be a lab.formats.QTensor, got {type(W).__name__}")
-    if W.fmt not in _FMT_ID:
-        raise ValueError(f"{name}.fmt={W.fmt!r}: kernels take {', '.join(_FMT_ID)}")
+    if W.fmt not in _QUANTIZED:
+        raise ValueError(f"{name}.fmt={W.fmt!r}: kernels take {', '.join(_QUANTIZED)}")
     rows, cols = W.shape
     if cols % QK or rows < 1:
         raise ValueError(f"{name}.shape={W.shape}: need rows >= 1 and cols a multiple of {QK}")
@@ -134,7 +133,7 @@ def check_qtensor(W: QTensor, name: str = "W") -> None:
 
 def qmat(W: QTensor):
     check_qtensor(W)
-    return native.lib().make_qmat(_FMT_ID[W.fmt], W.rows, W.cols, W.d, W.q)
+    return native.lib().make_qmat(native.consts().formats[W.fmt], W.rows, W.cols, W.d, W.q)
 
 
 class Packed:
@@ -180,8 +179,9 @@ def matmul(W, x, path: str | None = None, pool: Pool | None = None, chunk: int |
     p = native.path_id(path)
     if acts.cols != Wp.cols:
         raise ValueError(f"x has {acts.cols} columns but W has shape {Wp.shape}")
-    if not 1 <= acts.k <= MAX_K:
-        raise ValueError(f"x holds k={acts.k} tokens: one pass takes 1 to {MAX_K}")
+    top = native.consts().max_k
+    if not 1 <= acts.k <= top:
+        raise ValueError(f"x holds k={acts.k} tokens: one pass takes 1 to {top}")
     code = split_code(chunk)
     if out is None:
         out = np.empty((acts.k, Wp.rows), np.float32)
@@ -196,8 +196,8 @@ def matmul(W, x, path: str | None = None, pool: Pool | None = None, chunk: int |
 
 def quantize(x: np.ndarray, fmt: str, name: str = "x") -> QTensor:
     """The C++ quantizer (what export uses for speed); byte-identical to lab.formats.quantize."""
-    if fmt not in _FMT_ID:
-        raise ValueError(f"fmt={fmt!r}: quantized formats are {', '.join(_FMT_ID)}")
+    if fmt not in _QUANTIZED:
+        raise ValueError(f"fmt={fmt!r}: quantized formats are {', '.join(_QUANTIZED)}")
     x = check_array(np.asarray(x), name, np.float32, ndim=2)
     rows, cols = x.shape
     if cols % QK:

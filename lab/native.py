@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 from .errors import NativeBuildError, UnsupportedCPU
 
@@ -24,7 +25,6 @@ HEADER = "lab.h"
 # (docs/science.md §3).
 FLAGS = ["-O3", "-std=c++20", "-fPIC", "-shared", "-pthread", "-ffp-contract=off",
          "-fno-fast-math", "-Wall", "-Wno-uninitialized", "-Wno-maybe-uninitialized"]
-PATHS = ("scalar", "avx2", "avxvnni", "avx512vnni", "vnni256evex")
 # Functions that run long enough to want the GIL released while they do.
 _RELEASE_GIL = ("matmul", "Packed::pack", "bench_read", "bench_copy", "bench_triad", "bench_dot_peak",
                 "bench_matmul", "quantize_q8", "quantize_q4", "dequantize_q8", "dequantize_q4",
@@ -114,6 +114,29 @@ def build(verbose: bool = False) -> Path:
 
 
 @functools.cache
+def __getattr__(name: str):
+    if name == "PATHS":                     # the kernel paths' names, in C++ Path order
+        return consts().paths
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
+def consts() -> SimpleNamespace:
+    """The C++ constants Python needs, read once through cppyy so none is retyped here."""
+    ns = lib()
+    return SimpleNamespace(
+        max_k=int(ns.MAX_K),
+        formats={"f32": int(ns.FMT_F32), "q8": int(ns.FMT_Q8), "q4": int(ns.FMT_Q4), "i32": int(ns.FMT_I32)},
+        logits={"none": int(ns.LOGITS_NONE), "last": int(ns.LOGITS_LAST), "all": int(ns.LOGITS_ALL)},
+        paths=_path_names(ns),
+        archs={"qwen3": int(ns.ARCH_QWEN3), "qwen2": int(ns.ARCH_QWEN2), "llama": int(ns.ARCH_LLAMA)},
+        file_version=int(ns.MODEL_FILE_VERSION))
+
+
+def _path_names(ns) -> tuple[str, ...]:
+    return tuple(str(ns.path_name(i)) for i in range(int(ns.PATH_COUNT)))
+
+
 def lib():
     """The loaded `lab` C++ namespace (built on first use)."""
     path = build()
@@ -140,16 +163,16 @@ def _check_forced_path(ns) -> None:
         return
     p = ns.path_from_name(forced)
     if p < 0:
-        raise UnsupportedCPU(f"LAB_KERNEL_PATH={forced!r} is not a kernel path; use one of {', '.join(PATHS)}")
+        raise UnsupportedCPU(f"LAB_KERNEL_PATH={forced!r} is not a kernel path; use one of {', '.join(_path_names(ns))}")
     if not ns.path_supported(p):
-        runs = [name for i, name in enumerate(PATHS) if ns.path_supported(i)]
+        runs = [name for i, name in enumerate(_path_names(ns)) if ns.path_supported(i)]
         raise UnsupportedCPU(
             f"LAB_KERNEL_PATH={forced!r} needs instructions this CPU lacks; it runs: {', '.join(runs)}")
 
 
 def supported_paths() -> list[str]:
     ns = lib()
-    return [name for i, name in enumerate(PATHS) if ns.path_supported(i)]
+    return [name for i, name in enumerate(consts().paths) if ns.path_supported(i)]
 
 
 def path_id(name: str | None) -> int:
@@ -157,9 +180,9 @@ def path_id(name: str | None) -> int:
     ns = lib()
     if name is None:
         return ns.active_path()
-    if name not in PATHS:
-        raise ValueError(f"path={name!r} is not a kernel path; use one of {', '.join(PATHS)}")
-    p = PATHS.index(name)
+    if name not in consts().paths:
+        raise ValueError(f"path={name!r} is not a kernel path; use one of {', '.join(consts().paths)}")
+    p = consts().paths.index(name)
     if not ns.path_supported(p):
         raise UnsupportedCPU(f"path={name!r} needs instructions this CPU lacks; it runs: "
                              f"{', '.join(supported_paths())}")
@@ -167,7 +190,7 @@ def path_id(name: str | None) -> int:
 
 
 def active_path() -> str:
-    return PATHS[lib().active_path()]
+    return consts().paths[lib().active_path()]
 
 
 def cpu() -> dict:
@@ -180,14 +203,14 @@ def cpu() -> dict:
     n = int(c.logical_cpus)
     types = {0x40: "performance", 0x20: "efficiency"}
     cores = [types.get(int(ns.core_type(i)), "uniform") for i in range(n)] if flags["hybrid"] else None
-    path = PATHS[ns.active_path()]
+    path = consts().paths[ns.active_path()]
     return {
         "vendor": bytes(c.vendor).split(b"\0")[0].decode(errors="replace"),
         "model": bytes(c.brand).split(b"\0")[0].decode(errors="replace").strip(),
         "logical_cpus": n,
         "flags": flags,
         "core_types": cores,
-        "best_path": PATHS[ns.best_path()],
+        "best_path": consts().paths[ns.best_path()],
         "active_path": path,
         "supported_paths": supported_paths(),
         "kernels": {"matmul_q4": path, "matmul_q8": path,

@@ -115,10 +115,10 @@ def costs_at(target, drafts: dict, context: int, kmax: int = 9, rounds: int = 3,
     for d in drafts.values():
         d.forward(ids, 0, logits="none")
     batch = {k: np.resize(ids, k).astype(np.int32) for k in range(1, kmax + 1)}
-    cands = {k: (lambda k=k: bench._forward_samples(target, batch[k], context, 2 if k > 1 else 1, reps))
+    cands = {k: (lambda k=k: bench._forward_samples(target, batch[k], context, reps))
              for k in batch}
     for name, d in drafts.items():
-        cands[f"c:{name}"] = lambda d=d: bench._forward_samples(d, batch[1], context, 1, reps)
+        cands[f"c:{name}"] = lambda d=d: bench._forward_samples(d, batch[1], context, reps)
     s = bench.interleave(cands, rounds)
     v = [bench.paired_ratio(s[k], s[1])["median"] for k in batch]
     v = isotonic(np.array(v), np.ones(len(v)))

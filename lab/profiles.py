@@ -56,7 +56,7 @@ COUNT = Range(1)            # rounds, prompts, tokens, sizes: at least one
 def max_k() -> int:
     """The most tokens one engine call takes (the C++ MAX_K): a round's guesses, a kernel's k."""
     from . import native
-    return int(native.lib().MAX_K)
+    return native.consts().max_k
 
 
 def guesses() -> Range:

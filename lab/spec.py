@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import native
+
 
 def tau(alpha: float, gamma: int) -> float:
     """Expected tokens per round with γ guesses accepted independently with probability α."""
@@ -77,8 +79,9 @@ def simulate_rounds(accept, gamma: int, rng=None) -> list[int]:
     or with what probability (sampling: min(1, q(x_j)/p(x_j)) for the target-sampled x_j)
     the draft's guess for token j is accepted; probabilities need a numpy Generator."""
     accept = np.asarray(accept, dtype=float)
-    if not 1 <= gamma <= 16:
-        raise ValueError(f"gamma={gamma}: one round verifies 1 to 16 guesses")
+    top = native.consts().max_k
+    if not 1 <= gamma <= top:
+        raise ValueError(f"gamma={gamma}: one round verifies 1 to {top} guesses")
     if rng is not None:
         accept = (rng.random(accept.size) < accept).astype(float)
     elif ((accept != 0) & (accept != 1)).any():

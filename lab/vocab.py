@@ -138,8 +138,8 @@ def curve(target, draft_name: str, target_name: str, ns=(8192, 16384, 32768, 655
     for d in drafts.values():
         d.forward(ids, 0, logits="none")
     one = ids[-1:].copy()
-    cands = {"target": lambda: bench._forward_samples(target, one, context, 1, 3)}
-    cands.update({n: (lambda d=d: bench._forward_samples(d, one, context, 1, 3)) for n, d in drafts.items()})
+    cands = {"target": lambda: bench._forward_samples(target, one, context, 3)}
+    cands.update({n: (lambda d=d: bench._forward_samples(d, one, context, 3)) for n, d in drafts.items()})
     timed = bench.interleave(cands, rounds)
     rows = []
     for n, d in tqdm(drafts.items(), desc="α per N", unit="draft", disable=not progress, file=sys.stderr):

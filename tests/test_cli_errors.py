@@ -42,7 +42,7 @@ def _fails(capsys, argv: list[str], phrase: str) -> str:
     (["bench", "kernels", "--rounds", "0"], "--rounds: must be an integer >= 1"),
     (["bench", "decode", *TINY, "--context", "0"], "--context: must be an integer >= 1"),
     (["bench", "speculative", "--gamma", "0,2"], "--gamma: must be an integer from 1 to"),
-    (["bench", "kernels", "--path", "sse9"], "--path: invalid choice"),
+    (["bench", "kernels", "--path", "sse9"], "--path: 'sse9' is not a kernel path"),
     (["models", "ppl", "x", "--windows", "0"], "--windows: must be an integer >= 1"),
 ])
 def test_flag_values_are_checked_as_they_are_parsed(capsys, argv, phrase):
@@ -51,7 +51,7 @@ def test_flag_values_are_checked_as_they_are_parsed(capsys, argv, phrase):
 
 def test_gamma_and_k_are_bounded_by_the_engines_max_k(capsys):
     from lab import native
-    top = int(native.lib().MAX_K)
+    top = native.consts().max_k
     msg = _fails(capsys, ["generate", *TINY, "--lookup", "--gamma", str(top + 1), "1 2 3"], "--gamma")
     assert f"from 1 to {top}" in msg
     msg = _fails(capsys, ["bench", "kernels", "--k", f"1,{top + 1}"], f"--k {top + 1}")

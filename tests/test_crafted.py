@@ -213,3 +213,26 @@ def test_a_weight_matrix_stored_as_ids_is_refused(tmp_path):
         Engine(_entry_patched(f32, tmp_path, names.index("embed"), fmt=3), threads=1, max_context=64)
     with pytest.raises(EngineError, match="norm is not an f32 vector"):
         Engine(_entry_patched(f32, tmp_path, names.index("norm"), fmt=3), threads=1, max_context=64)
+
+
+def test_pythons_header_layout_is_the_engines():
+    """Python writes the header with struct; every field must sit where lab::FileHeader has it."""
+    import re
+    import struct
+    import cppyy
+    from lab import native
+    native.lib()
+    offsets, at = [], 0
+    for count, code in re.findall(r"(\d*)([a-zA-Z])", ex.HEADER.format.lstrip("<")):
+        n, width = int(count or 1), struct.calcsize("<" + code)
+        fields = [(at, n)] if code == "s" else [(at + j * width, 1) for j in range(n)]
+        offsets += [o for o, _ in fields]
+        at += n * width
+    assert at == ex.HEADER.size == 256
+    cpp = {"sha256": "content_sha256", "e0": "eos"}
+    for key, off in zip(ex.HEADER_KEYS, offsets):
+        if key in ("e1", "e2", "e3"):                     # eos[1..3] follow eos[0]
+            continue
+        name = cpp.get(key, key)
+        cppyy.cppdef(f"size_t lab_test_off_{name}() {{ return offsetof(lab::FileHeader, {name}); }}")
+        assert getattr(cppyy.gbl, f"lab_test_off_{name}")() == off, key

@@ -18,15 +18,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import formats
+from .. import formats, native
 from ..errors import LabError
 from .config import ModelConfig
 from .twin import quantize_weights
 
 MAGIC = b"LABMODEL"
-VERSION = 1
-ARCH_ID = {"qwen3": 1, "qwen2": 2, "llama": 3}
-FMT_ID = {"f32": 0, "q8": 1, "q4": 2, "i32": 3}
+# The layout of kernels_cpp/lab.h's FileHeader and TensorEntry (a test compares every field's
+# offset with the C++ struct's); version, architecture and format ids are read from C++.
 HEADER = struct.Struct("<8sII12II4iIddQQQQQ32s80s")
 ENTRY = struct.Struct("<80sIIQQQQQ")
 assert HEADER.size == 256 and ENTRY.size == 128
@@ -75,16 +74,20 @@ def engine_tensors(config: ModelConfig, weights: dict, scheme: str) -> dict:
     return out
 
 
+def _fmt(name: str) -> int:
+    return native.consts().formats[name]
+
+
 def _regions(t) -> tuple[int, list[bytes], tuple[int, int], int]:
     """-> (format id, [scales, bytes] or [floats], (rows, cols), ndim)."""
     if isinstance(t, formats.QTensor):
         d, q = formats.pack_tiles(t)
-        return FMT_ID[t.fmt], [d.tobytes(), q.tobytes()], t.shape, 2
+        return _fmt(t.fmt), [d.tobytes(), q.tobytes()], t.shape, 2
     if isinstance(t, np.ndarray) and t.dtype == np.int32:     # token ids
-        return FMT_ID["i32"], [t.astype("<i4").tobytes()], (1, t.size), 1
+        return _fmt("i32"), [t.astype("<i4").tobytes()], (1, t.size), 1
     a = np.ascontiguousarray(t, np.float32) if isinstance(t, np.ndarray) else t.detach().float().contiguous().numpy()
     shape = (1, a.shape[0]) if a.ndim == 1 else a.shape
-    return 0, [a.astype("<f4").tobytes()], shape, a.ndim
+    return _fmt("f32"), [a.astype("<f4").tobytes()], shape, a.ndim
 
 
 def export(config: ModelConfig, weights: dict, path: str | Path, scheme: str = "q4-q8out",
@@ -144,7 +147,7 @@ def write(config: ModelConfig, tensors: dict, path: str | Path, meta: dict | Non
             raise ValueError(f"tensor name {name!r} is too long for the file's 80-byte field")
         fmt, regions, (rows, cols), ndim = _regions(t)
         start = off
-        scales = len(regions[0]) if fmt in (FMT_ID["q8"], FMT_ID["q4"]) else 0
+        scales = len(regions[0]) if fmt in (_fmt("q8"), _fmt("q4")) else 0
         for r in regions:
             chunks.append((off, r))
             off = _align(off + len(r))
@@ -157,7 +160,8 @@ def write(config: ModelConfig, tensors: dict, path: str | Path, meta: dict | Non
         digest = _write_data(tmp, data_offset, data_size, chunks)
         c = config
         eos = (list(c.eos_ids) + [-1] * 4)[:4]
-        header = HEADER.pack(MAGIC, VERSION, ARCH_ID[c.arch], c.vocab_size, c.hidden_size, c.intermediate_size,
+        ids = native.consts()
+        header = HEADER.pack(MAGIC, ids.file_version, ids.archs[c.arch], c.vocab_size, c.hidden_size, c.intermediate_size,
                              c.num_layers, c.num_heads, c.num_kv_heads, c.head_dim, c.tokenizer_size,
                              c.max_position, int(c.tie_embeddings), int(c.qk_norm), int(c.qkv_bias),
                              min(len(c.eos_ids), 4), *eos, n, c.rope_theta, c.rms_eps, dir_offset, meta_offset,
