@@ -11,7 +11,7 @@
 namespace lab {
 
 int64_t packed_scale_count(int rows, int cols) {
-    return (int64_t)(rows + TILE - 1) / TILE * TILE * (cols / QK);
+    return ((int64_t)rows + TILE - 1) / TILE * TILE * (cols / QK);   // rows near 2^31 must not wrap
 }
 
 int64_t packed_byte_count(int fmt, int rows, int cols) {

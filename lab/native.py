@@ -113,7 +113,6 @@ def build(verbose: bool = False) -> Path:
     return lib_path
 
 
-@functools.cache
 def __getattr__(name: str):
     if name == "PATHS":                     # the kernel paths' names, in C++ Path order
         return consts().paths
@@ -137,6 +136,7 @@ def _path_names(ns) -> tuple[str, ...]:
     return tuple(str(ns.path_name(i)) for i in range(int(ns.PATH_COUNT)))
 
 
+@functools.cache
 def lib():
     """The loaded `lab` C++ namespace (built on first use)."""
     path = build()
