@@ -3,6 +3,7 @@
   lab info                       this CPU, its kernel paths, and the native build
   lab models list|fetch NAME     the models the lab knows; get one into the cache
   lab run [NOTEBOOK...]          notebooks -> HTML reports under a profile (papermill)
+  lab worker ADDRESS             serve a Dask scheduler as one machine (lab run --scheduler)
   lab bench bandwidth [--json]   read (and copy/triad) bandwidth against thread count
   lab bench kernels [--json]     each kernel and k against the read ceiling and issue peak
 """
@@ -61,6 +62,18 @@ _DRAFT_VOCAB = _number(int, Range(0, why="0: the stock draft"))
 _TEMPERATURE = _number(float, Range(0))
 _SEED = _number(int, Range(0, 2 ** 64 - 1))
 DEFAULT_MAX_CONTEXT = 4096     # generate's KV cache unless told (the model's longest context if shorter)
+
+
+def _scheduler(s: str) -> str:
+    """An argparse type: local, local:N (N worker processes here) or a scheduler's address."""
+    if s.startswith("local:"):
+        try:
+            _COUNT(s.split(":", 1)[1])
+        except argparse.ArgumentTypeError as e:
+            raise argparse.ArgumentTypeError(f"local:N takes N worker processes: N {e}") from None
+    elif not s.strip():
+        raise argparse.ArgumentTypeError("give a scheduler address (tcp://HOST:8786) or local[:N]")
+    return s
 
 
 # ----------------------------------------------------------------------------
@@ -448,10 +461,23 @@ def cmd_generate(args) -> int:
 
 def cmd_run(args) -> int:
     from . import profiles, runner
+    if args.on and not args.scheduler:
+        raise LabError(f"--on {args.on} only applies to a cluster: add --scheduler ADDRESS or --scheduler local[:N]")
+    if args.scheduler:
+        from . import cluster
+        page, entries = cluster.run(args.notebooks or None, args.profile, profiles.parse_set(args.set), args.out,
+                                    args.scheduler, args.on or "any")
+        print(page)
+        return 1 if any(e["status"] != "ok" for e in entries) else 0
     index = runner.run(args.notebooks or None, args.profile, profiles.parse_set(args.set), args.out)
     entries = json.loads((index.parent / "index.json").read_text())["entries"]
     print(index)
     return 1 if any(e["status"] != "ok" for e in entries if e["notebook"] in (args.notebooks or profiles.notebooks())) else 0
+
+
+def cmd_worker(args) -> int:
+    from . import cluster
+    return cluster.serve(args.address, args.name)
 
 
 def _draft_flags(p) -> None:
@@ -485,7 +511,18 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("--profile", default="quick", help="a profile in params/ (quick, default, qwen3) or a .yaml path")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a parameter")
     r.add_argument("--out", help="output folder (default: outputs/<profile>)")
+    r.add_argument("--scheduler", type=_scheduler, metavar="ADDRESS",
+                   help="run on a Dask cluster: its scheduler (tcp://HOST:8786), or local[:N] for N worker "
+                        "processes on this machine (default 2); outputs go to <out>/<machine>/ and machines.html")
+    r.add_argument("--on", choices=["any", "each"],
+                   help="with --scheduler: any (default) spreads the notebooks over the machines; each runs "
+                        "them all on every machine")
     r.set_defaults(fn=cmd_run)
+
+    w = sub.add_parser("worker", help="serve a Dask scheduler as one machine for lab run --scheduler")
+    w.add_argument("address", help="the scheduler, e.g. tcp://HOST:8786")
+    w.add_argument("--name", help="this machine's name in the outputs (default: its host name)")
+    w.set_defaults(fn=cmd_worker)
 
     m = sub.add_parser("models", help="the models the lab knows: list, fetch")
     m.add_argument("action", choices=["list", "fetch", "export", "compare", "ppl"],

@@ -18,6 +18,8 @@ from . import profiles
 from .bench import machine
 
 ROOT = Path(__file__).resolve().parent.parent
+STYLE = ("body{font-family:Helvetica,Arial,sans-serif;margin:2em;max-width:70em}td,th{padding:.4em .8em;"
+         "border-bottom:1px solid #ddd;text-align:left;vertical-align:top}")
 
 
 def _html(ipynb: Path, out: Path) -> None:
@@ -47,9 +49,7 @@ def run_one(nb: str, params: dict, out: Path, profile: str) -> dict:
         _html(stage / f"{nb}.ipynb", stage / f"{nb}.html")
         results = stage / f"{nb}.json"
         entry["headline"] = json.loads(results.read_text()).get("headline", {}) if results.exists() else {}
-        # only now replace the previous report, its page last: a kill in between leaves the old page
-        for f in sorted(stage.iterdir(), key=lambda f: f.suffix == ".html"):
-            os.replace(f, out / f.name)
+        install(stage, out)
         entry.update(status="ok", html=f"{nb}.html")
     except Exception as e:                               # noqa: BLE001 - reported in the index
         failed = stage / f"{nb}.ipynb"
@@ -68,15 +68,22 @@ def run_one(nb: str, params: dict, out: Path, profile: str) -> dict:
     return entry
 
 
-def write_index(out: Path, entries: list[dict], profile: str) -> Path:
-    """Merges this run's entries with earlier ones (notebooks not run keep their rows)."""
+def install(stage: Path, out: Path) -> None:
+    """Moves a finished notebook's files into out, its page last: a kill in between leaves the old page."""
+    for f in sorted(stage.iterdir(), key=lambda f: f.suffix == ".html"):
+        os.replace(f, out / f.name)
+
+
+def write_index(out: Path, entries: list[dict], profile: str, machine_info: dict | None = None) -> Path:
+    """Merges this run's entries with earlier ones (notebooks not run keep their rows); machine_info
+    is the machine they ran on (default: this one)."""
     idx = out / "index.json"
     prev = {e["notebook"]: e for e in json.loads(idx.read_text())["entries"]} if idx.exists() else {}
     for e in entries:
         if e["status"] == "failed" and e["notebook"] in prev and prev[e["notebook"]].get("status") == "ok":
             e["previous_report"] = prev[e["notebook"]].get("html")
         prev[e["notebook"]] = e
-    m = machine()
+    m = machine_info or machine()
     _write_atomic(idx, json.dumps({"profile": profile, "machine": m, "entries": list(prev.values())}, indent=1))
     rows = []
     for e in sorted(prev.values(), key=lambda e: e["notebook"]):
@@ -92,8 +99,7 @@ def write_index(out: Path, entries: list[dict], profile: str) -> Path:
         rows.append(f"<tr><td>{link}</td><td>{state}</td><td>{figs}</td><td>{e.get('seconds', '')}</td>"
                     f"<td>{html.escape(e.get('started', ''))}</td></tr>")
     page = f"""<!DOCTYPE html><html><head><meta charset="utf-8"><title>lab — {html.escape(profile)}</title>
-<style>body{{font-family:Helvetica,Arial,sans-serif;margin:2em;max-width:70em}}td,th{{padding:.4em .8em;
-border-bottom:1px solid #ddd;text-align:left;vertical-align:top}}</style></head><body>
+<style>{STYLE}</style></head><body>
 <h1>Speculative decoding on a CPU — profile <i>{html.escape(profile)}</i></h1>
 <p>Machine: {html.escape(str(m['cpu']))}, {m['logical_cpus']} logical CPUs, kernel path {html.escape(m['kernel_path'])},
 commit {html.escape(str(m['commit']))}, {html.escape(m['date'])}</p>
@@ -110,14 +116,19 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def output_dir(pname: str, out_dir: str | None) -> Path:
+    """--out or outputs/<profile>, made absolute: the notebooks run with notebooks/ as their working directory."""
+    out = Path(out_dir).resolve() if out_dir else ROOT / "outputs" / pname
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def run(selected: list[str] | None, profile: str = "quick", overrides: dict | None = None,
         out_dir: str | None = None) -> Path:
     names = selected or profiles.notebooks()
     params = profiles.load(profile, names, overrides)       # every profile error before anything runs
     pname = Path(profile).stem
-    # absolute: the notebooks run with notebooks/ as their working directory
-    out = Path(out_dir).resolve() if out_dir else ROOT / "outputs" / pname
-    out.mkdir(parents=True, exist_ok=True)
+    out = output_dir(pname, out_dir)
     entries = []
     for i, nb in enumerate(names, 1):
         print(f"[{i}/{len(names)}] {nb} ({pname})", file=sys.stderr, flush=True)
