@@ -129,9 +129,10 @@ def run(selected: list[str] | None, profile: str = "quick", overrides: dict | No
     params = profiles.load(profile, names, overrides)       # every profile error before anything runs
     pname = Path(profile).stem
     out = output_dir(pname, out_dir)
-    entries = []
+    page = out / "index.html"
     for i, nb in enumerate(names, 1):
         print(f"[{i}/{len(names)}] {nb} ({pname})", file=sys.stderr, flush=True)
-        entries.append(run_one(nb, params[nb], out, pname))
-        print(f"    {entries[-1]['status']} in {entries[-1]['seconds']} s", file=sys.stderr, flush=True)
-    return write_index(out, entries, pname)
+        entry = run_one(nb, params[nb], out, pname)
+        print(f"    {entry['status']} in {entry['seconds']} s", file=sys.stderr, flush=True)
+        page = write_index(out, [entry], pname)      # after each: a killed run's finished reports stay linked
+    return page

@@ -77,3 +77,21 @@ def test_a_relative_out_folder_gets_the_results(collection, monkeypatch):
     runner.run(["good"], "p", out_dir="rel/out")
     assert (collection / "rel" / "out" / "good.json").exists()
     assert json.loads((collection / "rel" / "out" / "index.json").read_text())["entries"][0]["headline"] == {"n squared": 9}
+
+
+def test_a_run_cut_short_keeps_its_finished_reports_in_the_index(collection, monkeypatch):
+    """The index is written after each notebook, so a kill during the next one loses nothing
+    that finished."""
+    out = collection / "out"
+    real = runner.run_one
+
+    def killed_at_bad(nb, *args):
+        if nb == "bad":
+            raise KeyboardInterrupt                       # where a kill -9 would stop the run
+        return real(nb, *args)
+    monkeypatch.setattr(runner, "run_one", killed_at_bad)
+    with pytest.raises(KeyboardInterrupt):
+        runner.run(["good", "bad"], "p", out_dir=str(out))
+    entries = {e["notebook"]: e for e in json.loads((out / "index.json").read_text())["entries"]}
+    assert entries["good"]["status"] == "ok" and "bad" not in entries
+    assert "good.html" in (out / "index.html").read_text()
