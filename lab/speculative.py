@@ -60,7 +60,7 @@ def predicted(result, costs) -> float:
     round's cost -- the verification of γ + 1 tokens, the overhead, and in a draft round γ
     draft steps, the first of which catches up on the tokens the draft has not seen (after
     lookup rounds, several: c · v(n), v's shape standing in for the draft's) -- at the
-    context nearest the run's."""
+    run's middle context."""
     if costs is None or not result.rounds:
         return float("nan")
     v, c = costs.at(result.prompt_tokens + len(result.tokens) // 2)
@@ -69,11 +69,23 @@ def predicted(result, costs) -> float:
     for (g, acc), kind in zip(result.per_round, result.kinds):
         spent += v[min(g + 1, top)] + costs.o
         if kind == "draft":
-            spent += c * (v[min(lag, top)] + g - 1)
+            spent += c * (_pass(v, lag) + g - 1)
             lag = 2 if acc == g else 1
         else:
             lag += acc + 1
     return len(result.tokens) / spent
+
+
+def _pass(v: dict, n: int) -> float:
+    """v(n) for a pass of n tokens, past the measured k as well: a draft catching up after
+    long lookup runs passes dozens of tokens, in chunks of at most MAX_K, each costing v's
+    measured slope per token beyond the last k measured (capping at that k under-priced
+    summarization's catch-ups by a third)."""
+    from . import native
+    top, chunk = max(v), native.consts().max_k
+    slope = (v[top] - v[1]) / (top - 1) if top > 1 else 1.0
+    one = lambda k: v[k] if k <= top else v[top] + (k - top) * slope
+    return (n // chunk) * one(chunk) + (one(n % chunk) if n % chunk else 0.0)
 
 
 class Conversation:
@@ -151,7 +163,9 @@ def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], 
                              "predicted": predicted(r, costs.get(s.draft) or next(iter(costs.values()), None)), "tokens_per_round": r.tokens_per_round,
                              "alpha": r.acceptance, "equal_to_plain": equal, "plain_tokens_per_s": plain_tps,
                              "plain_spread": a.tokens_per_s / b.tokens_per_s - 1, "tries": tries,
-                             "rounds": {k: r.kinds.count(k) for k in ("draft", "lookup", "plain")}})
+                             "rounds": {k: r.kinds.count(k) for k in ("draft", "lookup", "plain")},
+                             # what a later cost model needs to predict this run again
+                             "prompt_tokens": r.prompt_tokens, "per_round": r.per_round, "kinds": r.kinds})
             answers.append(a.tokens)
             bar.update()
     bar.close()

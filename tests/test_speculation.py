@@ -332,3 +332,11 @@ def test_costs_between_measured_contexts_are_interpolated():
                     v=[[0, 1, 1.1], [0, 1, 1.2], [0, 1, 1.6]], c=[0.2, 0.3, 0.4], o=0.0, o_sampled=0.0)
     assert costs.at(1280) == ({1: 1.0, 2: pytest.approx(1.4)}, pytest.approx(0.35))   # halfway 512..2048
     assert costs.at(64) == ({1: 1.0, 2: 1.1}, 0.2) and costs.at(9000) == ({1: 1.0, 2: 1.6}, 0.4)
+
+
+def test_a_long_catch_up_is_priced_past_the_measured_k():
+    from lab.speculative import _pass
+    v = {k: 1 + 0.1 * (k - 1) for k in range(1, 10)}            # measured to k = 9
+    assert _pass(v, 5) == pytest.approx(1.4)
+    assert _pass(v, 12) == pytest.approx(2.1)                     # the slope carries on past 9
+    assert _pass(v, 40) == pytest.approx(2 * 2.5 + 1.7)           # chunks of MAX_K = 16: 16 + 16 + 8
