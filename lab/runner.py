@@ -22,11 +22,24 @@ STYLE = ("body{font-family:Helvetica,Arial,sans-serif;margin:2em;max-width:70em}
          "border-bottom:1px solid #ddd;text-align:left;vertical-align:top}")
 
 
+_WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+def _quiet(nb):
+    """The notebook without its stderr streams and widget views: progress bars and warnings
+    belong on the batch run's console (the executed .ipynb keeps them), not in the report."""
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs = [o for o in cell.outputs if not (o.output_type == "stream" and o.get("name") == "stderr")
+                            and _WIDGET not in o.get("data", {})]
+    return nb
+
+
 def _html(ipynb: Path, out: Path) -> None:
     import nbformat
     from nbconvert import HTMLExporter
     exporter = HTMLExporter(exclude_input=True, exclude_input_prompt=True, exclude_output_prompt=True)
-    body, _ = exporter.from_notebook_node(nbformat.read(str(ipynb), as_version=4))
+    body, _ = exporter.from_notebook_node(_quiet(nbformat.read(str(ipynb), as_version=4)))
     # the template asks CDNs for require.js and MathJax; the reports need neither, and a
     # report must open with no network at all
     body = re.sub(r"""<script[^>]+src=["']https?://[^"']*["'][^>]*>\s*</script>""", "", body)

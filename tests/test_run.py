@@ -95,3 +95,20 @@ def test_a_run_cut_short_keeps_its_finished_reports_in_the_index(collection, mon
     entries = {e["notebook"]: e for e in json.loads((out / "index.json").read_text())["entries"]}
     assert entries["good"]["status"] == "ok" and "bad" not in entries
     assert "good.html" in (out / "index.html").read_text()
+
+
+def test_reports_hold_the_argument_not_progress_bars_or_warnings(collection):
+    body = ("import sys, warnings\nfrom tqdm.auto import tqdm\nfrom lab import report\n"
+            "for _ in tqdm(range(3), desc='teacher distributions'):\n    pass\n"
+            "warnings.warn('IProgress not found')\nprint('the finding, n =', n)\n"
+            "report.save('noisy', {'n': n}, {'n': n})")
+    _nb(profiles.NOTEBOOKS / "noisy.ipynb", body)
+    (profiles.PARAMS / "p.yaml").write_text("description: test\nshared: {}\nnotebooks:\n  noisy: {n: 4}\n")
+    out = collection / "out"
+    runner.run(["noisy"], "p", out_dir=str(out))
+    page = (out / "noisy.html").read_text()
+    assert "the finding, n = 4" in page
+    for noise in ("teacher distributions", "it/s", "IProgress", "Warning"):
+        assert noise not in page, noise
+    executed = (out / "noisy.ipynb").read_text()                 # the executed notebook keeps them
+    assert "IProgress" in executed
