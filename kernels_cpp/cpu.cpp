@@ -54,6 +54,7 @@ CpuInfo cpu_info() {
         cpuid(7, 0, r);
         c.avx2 = r[1] & (1u << 5);
         c.avx512f = r[1] & (1u << 16);
+        c.avx512dq = r[1] & (1u << 17);
         c.avx512bw = r[1] & (1u << 30);
         c.avx512vl = r[1] & (1u << 31);
         c.avx512vnni = r[2] & (1u << 11);
@@ -68,7 +69,8 @@ CpuInfo cpu_info() {
 bool path_supported(int path) {
     static const CpuInfo c = cpu_info();
     const bool avx2 = c.os_avx && c.avx && c.avx2 && c.fma && c.f16c;
-    const bool avx512 = avx2 && c.os_avx512 && c.avx512f && c.avx512bw && c.avx512vl && c.avx512vnni;
+    const bool avx512 = avx2 && c.os_avx512 && c.avx512f && c.avx512dq && c.avx512bw &&
+                        c.avx512vl && c.avx512vnni;
     switch (path) {
         case PATH_SCALAR: return true;
         case PATH_AVX2: return avx2;

@@ -108,7 +108,7 @@ int Generator::produced() const { return produced_; }
 // Appends a token; returns 1 when generation must stop (end of sequence or the budget).
 int Generator::emit(int32_t tok, int32_t* out, const GenParams& gp) {
     out[produced_] = tok;
-    produced_ = produced_ + 1;
+    produced_.fetch_add(1, std::memory_order_release);
     stats_.new_tokens++;
     for (int i = 0; i < gp.n_eos; i++)
         if (tok == gp.eos[i]) { stats_.stopped_on_eos = 1; return 1; }

@@ -3,6 +3,7 @@
 // Plain types and pointers only: numpy arrays pass zero-copy as pointers, and nothing
 // here needs the SIMD headers, so cling parses it in a blink.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -27,7 +28,7 @@ struct CpuInfo {
     char brand[64];
     int logical_cpus;
     bool sse42, avx, avx2, fma, f16c, avxvnni;
-    bool avx512f, avx512bw, avx512vl, avx512vnni, avx512bf16;
+    bool avx512f, avx512dq, avx512bw, avx512vl, avx512vnni, avx512bf16;
     bool os_avx, os_avx512;     // the OS saves the wide registers (XCR0)
     bool hybrid;                // performance + efficiency cores
 };
@@ -440,7 +441,7 @@ private:
     ThreadPool* pool_;
     int path_;
     GenStats stats_;
-    volatile int produced_ = 0;
+    std::atomic<int> produced_{0};    // polled by Python's streaming thread while run() writes
 };
 
 // ----------------------------------------------------------------------------

@@ -198,7 +198,7 @@ def cpu() -> dict:
     ns = lib()
     c = ns.cpu_info()
     flags = {f: bool(getattr(c, f)) for f in (
-        "sse42", "avx", "avx2", "fma", "f16c", "avxvnni", "avx512f", "avx512bw", "avx512vl",
+        "sse42", "avx", "avx2", "fma", "f16c", "avxvnni", "avx512f", "avx512dq", "avx512bw", "avx512vl",
         "avx512vnni", "avx512bf16", "os_avx", "os_avx512", "hybrid")}
     n = int(c.logical_cpus)
     types = {0x40: "performance", 0x20: "efficiency"}
