@@ -14,7 +14,7 @@ import pytest
 from distributed import Client
 
 from lab import cli, cluster, profiles, runner
-from tests.test_run import _nb
+from tests.test_run import make_collection
 
 WORK = """import os, signal
 from lab import report
@@ -26,16 +26,9 @@ report.save("work", {"n": n}, {"n squared": n * n, "worker pid": os.getppid()})"
 
 @pytest.fixture
 def collection(tmp_path, monkeypatch):
-    nbs, params = tmp_path / "notebooks", tmp_path / "params"
-    nbs.mkdir()
-    params.mkdir()
-    _nb(nbs / "work.ipynb", WORK)
-    _nb(nbs / "more.ipynb", WORK.replace('"work"', '"more"'))
-    _nb(nbs / "nap.ipynb", "import time\ntime.sleep(n)")
-    (params / "p.yaml").write_text("notebooks:\n  work: {n: 3}\n  more: {n: 4}\n  nap: {n: 120}\n")
-    monkeypatch.setattr(profiles, "NOTEBOOKS", nbs)
-    monkeypatch.setattr(profiles, "PARAMS", params)
-    return tmp_path
+    return make_collection(tmp_path, monkeypatch,
+                           {"work": WORK, "more": WORK.replace('"work"', '"more"'), "nap": "import time\ntime.sleep(n)"},
+                           "notebooks:\n  work: {n: 3}\n  more: {n: 4}\n  nap: {n: 120}\n")
 
 
 # functions the tests run on the workers (client.run)

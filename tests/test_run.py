@@ -17,17 +17,26 @@ def _nb(path, body, default="1"):
     nbformat.write(nb, str(path))
 
 
-@pytest.fixture
-def collection(tmp_path, monkeypatch):
+def make_collection(tmp_path, monkeypatch, notebooks: dict[str, str], profile: str):
+    """Notebooks (name -> the cell after the parameters) and a profile p.yaml, put where the
+    runner looks."""
     nbs, params = tmp_path / "notebooks", tmp_path / "params"
     nbs.mkdir()
     params.mkdir()
-    _nb(nbs / "good.ipynb", "from lab import report\nreport.save('good', {'n': n}, {'n squared': n * n})")
-    _nb(nbs / "bad.ipynb", "raise RuntimeError(f'broken on purpose, n={n}')")
-    (params / "p.yaml").write_text("description: test\nshared: {}\nnotebooks:\n  good: {n: 3}\n  bad: {n: 2}\n")
+    for name, body in notebooks.items():
+        _nb(nbs / f"{name}.ipynb", body)
+    (params / "p.yaml").write_text(profile)
     monkeypatch.setattr(profiles, "NOTEBOOKS", nbs)
     monkeypatch.setattr(profiles, "PARAMS", params)
     return tmp_path
+
+
+@pytest.fixture
+def collection(tmp_path, monkeypatch):
+    return make_collection(tmp_path, monkeypatch, {
+        "good": "from lab import report\nreport.save('good', {'n': n}, {'n squared': n * n})",
+        "bad": "raise RuntimeError(f'broken on purpose, n={n}')"},
+        "description: test\nshared: {}\nnotebooks:\n  good: {n: 3}\n  bad: {n: 2}\n")
 
 
 def test_failing_notebook_is_reported_and_the_rest_complete(collection):
