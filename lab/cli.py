@@ -1,11 +1,20 @@
-"""The `lab` command.
+"""The `lab` command (each command's flags: lab COMMAND --help).
 
-  lab info                       this CPU, its kernel paths, and the native build
-  lab models list|fetch NAME     the models the lab knows; get one into the cache
-  lab run [NOTEBOOK...]          notebooks -> HTML reports under a profile (papermill)
-  lab worker ADDRESS             serve a Dask scheduler as one machine (lab run --scheduler)
-  lab bench bandwidth [--json]   read (and copy/triad) bandwidth against thread count
-  lab bench kernels [--json]     each kernel and k against the read ceiling and issue peak
+  lab info                          this CPU, its kernel paths, and the native build
+  lab models list|fetch NAME...     the models the lab knows; get them into the cache
+  lab models export NAME...         write the engine's file of each (--scheme; --draft-vocab N --for TARGET)
+  lab models compare|ppl NAME...    the reference against transformers; perplexity per format
+  lab run [NOTEBOOK...]             notebooks -> HTML reports under a profile (papermill)
+  lab worker ADDRESS                serve a Dask scheduler as one machine (lab run --scheduler)
+  lab generate PROMPT               generate text, plain or speculative (--draft MODEL, --lookup)
+  lab bench bandwidth               read (and copy/triad) bandwidth against thread count
+  lab bench kernels                 each kernel and k against the read ceiling and issue peak
+  lab bench decode                  one-token decode steps against the read ceiling (--stages)
+  lab bench vk                      v(k), c and o: the costs speculation is predicted from
+  lab bench speculative             speculative against plain decoding on Spec-Bench prompts
+
+Every bench takes --json. Bad input is refused before any work in one line on stderr
+(`lab: error: ...`, exit status 2; LAB_DEBUG=1 shows the traceback).
 """
 from __future__ import annotations
 
@@ -157,27 +166,45 @@ def _check_fits(args, prompt_tokens: int, max_context: int) -> None:
                        f"--max-new-tokens")
 
 
-def _check_bench(args) -> None:
-    """Each bench's own flags, before it allocates or measures anything."""
-    if args.what == "speculative" and args.policy == "auto" and args.gamma:
+def _check_k(ks: list[int]) -> None:
+    """One kernel call, and so one pass, takes at most the engine's MAX_K tokens."""
+    top = profiles.max_k()
+    if max(ks) > top:
+        raise LabError(f"--k {max(ks)}: a kernel call takes 1 to {top} tokens (the engine's MAX_K)")
+
+
+def _check_kernels(args) -> None:
+    from .bench import DRAM_SHAPE
+    unknown = [k for k in args.kernel if k not in DRAM_SHAPE]
+    if unknown:
+        raise LabError(f"--kernel {','.join(unknown)}: no such kernel; the kernels are {', '.join(DRAM_SHAPE)}")
+    _check_k(args.k)
+
+
+def _check_decode(args) -> None:
+    _check_schemes(("--scheme", args.scheme))
+    _check_context(args.model, [args.context], "--context")
+
+
+def _check_vk(args) -> None:
+    if args.k is not None:
+        _check_k(args.k)
+        if 1 not in args.k:        # each v(k) is a ratio to the one-token pass of the same round
+            raise LabError(f"--k {','.join(map(str, args.k))}: v(k) is measured against the one-token pass: "
+                           f"include 1")
+    _check_schemes(("--scheme", args.scheme))
+    _check_context(args.model, args.context, "--context")
+    _check_vocab(args.model, args.draft)
+
+
+def _check_speculative(args) -> None:
+    if args.policy == "auto" and args.gamma:
         raise LabError("--gamma only applies to --policy fixed: the automatic policy picks its own rounds "
                        "(up to --max-gamma)")
-    if args.what in ("decode", "vk", "speculative"):
-        _check_schemes(("--scheme", args.scheme), ("--draft-scheme", args.draft_scheme))
-    if args.what in ("decode", "vk") and args.context:
-        _check_context(args.model, args.context, "--context")
-    if args.what in ("vk", "speculative"):
-        _check_vocab(args.model, args.draft)
-    if args.what == "speculative" and args.prompts and not Path(args.prompts).is_file():
+    _check_schemes(("--scheme", args.scheme), ("--draft-scheme", args.draft_scheme))
+    _check_vocab(args.model, args.draft)
+    if args.prompts and not Path(args.prompts).is_file():
         raise LabError(f"--prompts {args.prompts}: no such file (give a Spec-Bench-format JSONL)")
-    if args.what == "kernels":
-        from .bench import DRAM_SHAPE
-        unknown = [k for k in args.kernel if k not in DRAM_SHAPE]
-        if unknown:
-            raise LabError(f"--kernel {','.join(unknown)}: no such kernel; the kernels are {', '.join(DRAM_SHAPE)}")
-        top = profiles.max_k()
-        if max(args.k) > top:
-            raise LabError(f"--k {max(args.k)}: a kernel call takes 1 to {top} tokens (the engine's MAX_K)")
 
 
 def _check_models(args) -> None:
@@ -259,32 +286,43 @@ def _print_vk(r: dict) -> None:
     print(f"o = {r['o']:.4f} of a target step (greedy); sampled: {r['overhead']['o_sampled']:.4f}")
 
 
-def cmd_bench(args) -> int:
-    from . import bench
-    _check_bench(args)
-    if args.what == "speculative":
-        return cmd_bench_speculative(args)
-    if args.what == "bandwidth":
-        r = bench.bandwidth(threads=args.threads, mb=args.mb or 512, rounds=args.rounds)
-        show = _print_bandwidth
-    elif args.what == "decode":
-        r = bench.decode_bench(args.model, args.scheme, args.threads[0] if args.threads else None,
-                               (args.context or [256])[0], rounds=args.rounds, stages=args.stages)
-        show = _print_decode
-    elif args.what == "vk":
-        ks = tuple(args.k) if args.k != [1, 2, 4, 8, 16] else tuple(range(1, profiles.max_k() + 1))
-        r = bench.vk_bench(args.model, args.draft, args.scheme, args.threads[0] if args.threads else None,
-                           tuple(args.context or (128, 512, 2048)), ks, rounds=args.rounds, progress=not args.json)
-        show = _print_vk
-    else:
-        r = bench.kernels_bench(ks=tuple(args.k), fmts=tuple(args.kernel), threads=args.threads[0] if args.threads else None,
-                                quick=args.quick, path=args.path)
-        show = _print_kernels
+def _emit(args, r: dict, show) -> int:
+    """A bench's result: JSON for other tools under --json, else show's table for people."""
     if args.json:
         print(json.dumps(r, indent=2))
     else:
         show(r)
     return 0
+
+
+def cmd_bench_bandwidth(args) -> int:
+    from .bench import bandwidth
+    return _emit(args, bandwidth(threads=args.threads, mb=args.mb, rounds=args.rounds), _print_bandwidth)
+
+
+def cmd_bench_kernels(args) -> int:
+    from .bench import kernels_bench
+    _check_kernels(args)
+    r = kernels_bench(ks=tuple(args.k), fmts=tuple(args.kernel), threads=args.threads, quick=args.quick,
+                      path=args.path)
+    return _emit(args, r, _print_kernels)
+
+
+def cmd_bench_decode(args) -> int:
+    from .bench import decode_bench
+    _check_decode(args)
+    r = decode_bench(args.model, args.scheme, args.threads, args.context, rounds=args.rounds, stages=args.stages)
+    return _emit(args, r, _print_decode)
+
+
+def cmd_bench_vk(args) -> int:
+    from .bench import vk_bench
+    _check_vk(args)
+    ks = tuple(args.k or range(1, profiles.max_k() + 1))     # the default needs the engine, so only now
+    draft = None if args.draft == "lookup" else args.draft
+    r = vk_bench(args.model, draft, args.scheme, args.threads, tuple(args.context), ks, rounds=args.rounds,
+                 progress=not args.json)
+    return _emit(args, r, _print_vk)
 
 
 def _draft_engine(args, pool, max_context: int):
@@ -308,8 +346,9 @@ def cmd_bench_speculative(args) -> int:
     from .engine import Engine
     from .kernels import Pool
     from .models.export import engine_file
+    _check_speculative(args)
     prompts = speculative.prompts_from(args.prompts, args.per_group)     # a bad file fails before the models load
-    pool = Pool(args.threads[0] if args.threads else None)
+    pool = Pool(args.threads)
     target = Engine(engine_file(args.model, args.scheme), pool=pool, max_context=4096)
     draft = _draft_engine(args, pool, 4096)
     gammas = args.gamma or [4]
@@ -318,12 +357,7 @@ def cmd_bench_speculative(args) -> int:
     costs = policy.costs_for(target, draft)
     pol = None
     if pol_name == "auto":
-        path = policy.calibration_path(target, draft)
-        if args.calibrate or not path.exists():
-            from .vocab import training_samples
-            cal = policy.calibrate(target, draft, training_samples(target, args.model))
-            policy.save_calibration(cal, target, draft)
-        pol = policy.policy_for(target, draft, args.temperature, max_gamma=args.max_gamma)
+        pol = policy.fitted_policy(target, draft, args.model, args.temperature, args.max_gamma, refit=args.calibrate)
     # the progress bar goes to stderr, so it shows with --json too
     res = speculative.run(target, {"draft": draft}, prompts, chosen, args.max_new_tokens, args.temperature,
                           args.seed, {"draft": costs}, {"draft": pol}, args.model, progress=True)
@@ -480,9 +514,9 @@ def cmd_worker(args) -> int:
     return cluster.serve(args.address, args.name)
 
 
-def _draft_flags(p) -> None:
-    p.add_argument("--draft", help="a draft model for speculative decoding")
-    p.add_argument("--draft-scheme", default="q4-q8out")
+def _draft_flags(p, default: str | None = None, text: str = "a draft model for speculative decoding") -> None:
+    p.add_argument("--draft", default=default, help=text)
+    p.add_argument("--draft-scheme", default="q4-q8out", help="the draft's weights format (default q4-q8out)")
     p.add_argument("--draft-vocab", type=_DRAFT_VOCAB, default=None,
                    help="the draft's output trimmed to N tokens (default: lab.vocab.DEFAULT_N; 0: stock)")
     p.add_argument("--draft-vocab-format", default="q4", choices=["q4", "q8"])
@@ -493,6 +527,93 @@ def _kernel_path(s: str) -> str:
     if s not in native.consts().paths:
         raise argparse.ArgumentTypeError(f"{s!r} is not a kernel path; use one of {', '.join(native.consts().paths)}")
     return s
+
+
+TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"      # the benches' models unless told
+
+
+def _bench_command(benches, name: str, text: str, fn, threads: str | None = "one", rounds: bool = True):
+    """A `lab bench NAME` parser with the flags benches share, written once: --json, and --threads
+    ("one" count, a "list" of counts or None) and --rounds where the bench takes them."""
+    p = benches.add_parser(name, help=text, description=text)
+    p.add_argument("--json", action="store_true", help="print machine-readable results")
+    if threads == "list":
+        p.add_argument("--threads", type=_list(_THREADS), metavar="N,...",
+                       help="thread counts, e.g. 1,2 (default: 1 to every CPU this process may use)")
+    elif threads == "one":
+        p.add_argument("--threads", type=_THREADS, metavar="N", help="threads (default: every CPU this process may use)")
+    if rounds:
+        p.add_argument("--rounds", type=_COUNT, default=5, metavar="N", help="interleaved rounds (default 5)")
+    p.set_defaults(fn=fn)
+    return p
+
+
+def _target_flags(p) -> None:
+    p.add_argument("--model", default=TARGET, help="the target model (default %(default)s)")
+    p.add_argument("--scheme", default="q4-q8out", help="its weights format: f32, q8, q4 or q4-q8out (default)")
+
+
+def _add_bandwidth(benches) -> None:
+    p = _bench_command(benches, "bandwidth", "read, copy and triad bandwidth against thread count: the read ceiling",
+                       cmd_bench_bandwidth, threads="list")
+    p.add_argument("--mb", type=_COUNT, default=512, metavar="N", help="buffer size in MB (default 512)")
+
+
+def _add_kernels(benches) -> None:
+    p = _bench_command(benches, "kernels", "each kernel and k against the read ceiling and the dot-product issue peak",
+                       cmd_bench_kernels, rounds=False)
+    p.add_argument("--k", type=_list(_COUNT), default=[1, 2, 4, 8, 16], metavar="K,...",
+                   help="tokens per call, e.g. 1,4 (default 1,2,4,8,16; at most the engine's MAX_K)")
+    p.add_argument("--kernel", type=_list(str), default=["q4", "q8"], metavar="FORMAT,...",
+                   help="weights formats (default q4,q8)")
+    # read only when given: the kernel paths' names come from the native library
+    p.add_argument("--path", type=_kernel_path, help="force a kernel path: scalar, avx2, avxvnni, avx512vnni")
+    p.add_argument("--quick", action="store_true", help="smaller matrices and fewer repeats")
+
+
+def _add_decode(benches) -> None:
+    p = _bench_command(benches, "decode", "one-token decode steps: tokens/s and share of the read ceiling",
+                       cmd_bench_decode)
+    _target_flags(p)
+    p.add_argument("--context", type=_COUNT, default=256, metavar="N",
+                   help="the one context the steps run at (default 256; lab bench vk takes several)")
+    p.add_argument("--stages", action="store_true", help="time each stage of the pass too")
+
+
+def _add_vk(benches) -> None:
+    p = _bench_command(benches, "vk", "v(k), c and o: the costs speculative decoding is predicted from", cmd_bench_vk)
+    _target_flags(p)
+    p.add_argument("--draft", default=DRAFT, help="the draft whose c is measured (default %(default)s; 'lookup': none)")
+    p.add_argument("--context", type=_list(_COUNT), default=[128, 512, 2048], metavar="N,...",
+                   help="contexts, e.g. 256,2048 (default 128,512,2048)")
+    p.add_argument("--k", type=_list(_COUNT), metavar="K,...",
+                   help="tokens per pass, 1 among them, e.g. 1,2,4 (default: 1 to the engine's MAX_K)")
+
+
+def _add_speculative(benches) -> None:
+    p = _bench_command(benches, "speculative", "speculative against plain decoding on Spec-Bench-format prompts",
+                       cmd_bench_speculative, rounds=False)
+    _target_flags(p)
+    _draft_flags(p, DRAFT, "the draft model (default %(default)s; 'lookup': prompt lookup, no draft model)")
+    p.add_argument("--prompts", help="a Spec-Bench-format JSONL (default: the shipped dev set)")
+    p.add_argument("--per-group", type=_COUNT, help="prompts per group (default: all)")
+    p.add_argument("--max-new-tokens", type=_COUNT, default=128)
+    p.add_argument("--policy", choices=["fixed", "auto"], help="auto unless --gamma is given")
+    p.add_argument("--gamma", type=_list(_GAMMA), metavar="G,...", help="fixed guesses per round, e.g. 1,2,4")
+    p.add_argument("--max-gamma", type=_GAMMA, default=8, help="the automatic policy's longest round (default 8)")
+    p.add_argument("--temperature", type=_TEMPERATURE, default=0.0)
+    p.add_argument("--seed", type=_SEED, default=0)
+    p.add_argument("--calibrate", action="store_true", help="fit the policy's calibration again")
+
+
+def _add_bench(sub) -> None:
+    """`lab bench NAME`: another bench is a cmd_bench_NAME, an _add_NAME and its entry below."""
+    b = sub.add_parser("bench", help="measurements: bandwidth, kernels, decode, vk, speculative",
+                       description="Measurements; each bench has its own flags (lab bench NAME --help).")
+    # no dest: a missing bench is then reported by the list of benches, in argparse's one line
+    benches = b.add_subparsers(title="benches", required=True)
+    for add in (_add_bandwidth, _add_kernels, _add_decode, _add_vk, _add_speculative):
+        add(benches)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -561,35 +682,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.set_defaults(fn=cmd_generate)
 
-    b = sub.add_parser("bench", help="quick measurements, JSON out")
-    b.add_argument("what", choices=["bandwidth", "kernels", "decode", "vk", "speculative"])
-    b.add_argument("--model", default="qwen2.5-coder-1.5b", help="decode/vk/speculative: the target")
-    b.add_argument("--draft", default="qwen2.5-coder-0.5b", help="vk/speculative: the draft ('lookup': none)")
-    b.add_argument("--draft-vocab", type=_DRAFT_VOCAB, default=None,
-                   help="speculative: the draft's output trimmed to N tokens (default: lab.vocab.DEFAULT_N; 0: stock)")
-    b.add_argument("--draft-vocab-format", default="q4", choices=["q4", "q8"])
-    b.add_argument("--draft-scheme", default="q4-q8out")
-    b.add_argument("--prompts", help="speculative: a Spec-Bench-format JSONL (default: the shipped dev set)")
-    b.add_argument("--per-group", type=_COUNT, help="speculative: prompts per group (default: all)")
-    b.add_argument("--max-new-tokens", type=_COUNT, default=128)
-    b.add_argument("--policy", choices=["fixed", "auto"], help="speculative: auto unless --gamma is given")
-    b.add_argument("--gamma", type=_list(_GAMMA), help="speculative: fixed guesses per round, e.g. 1,2,4")
-    b.add_argument("--max-gamma", type=_GAMMA, default=8, help="speculative: the automatic policy's longest round")
-    b.add_argument("--temperature", type=_TEMPERATURE, default=0.0)
-    b.add_argument("--seed", type=_SEED, default=0)
-    b.add_argument("--calibrate", action="store_true", help="speculative: fit the policy's calibration again")
-    b.add_argument("--scheme", default="q4-q8out", help="decode/vk: weights format")
-    b.add_argument("--context", type=_list(_COUNT), help="decode: one context (256); vk: several (128,512,2048)")
-    b.add_argument("--json", action="store_true", help="print machine-readable results")
-    b.add_argument("--threads", type=_list(_THREADS), help="thread counts, e.g. 1,2 (kernels: the first)")
-    b.add_argument("--mb", type=_COUNT, help="bandwidth buffer size in MB (default 512)")
-    b.add_argument("--rounds", type=_COUNT, default=5, help="interleaved rounds")
-    b.add_argument("--k", type=_list(_COUNT), default=[1, 2, 4, 8, 16], help="token counts (kernels)")
-    b.add_argument("--kernel", type=_list(str), default=["q4", "q8"], help="q4,q8")
-    b.add_argument("--path", type=_kernel_path, help="force a kernel path: scalar, avx2, avxvnni, avx512vnni")
-    b.add_argument("--quick", action="store_true", help="smaller matrices and fewer repeats")
-    b.add_argument("--stages", action="store_true", help="decode: time each stage of the pass too")
-    b.set_defaults(fn=cmd_bench)
+    _add_bench(sub)
     return p
 
 

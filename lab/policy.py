@@ -386,3 +386,14 @@ def policy_for(target, draft=None, temperature: float = 0.0, max_gamma: int = 8,
             _warned.add(path)
         calib = prior_calibration(target, draft)
     return Policy(costs, calib.table(temperature), max_gamma, calib.ngram_max)
+
+
+def fitted_policy(target, draft, target_name: str, temperature: float = 0.0, max_gamma: int = 8,
+                  refit: bool = False, sources=None, per_source: int = 24, max_new_tokens: int = 128) -> Policy:
+    """The automatic policy with a fitted calibration: fitted first, on the training prompts
+    (never Spec-Bench), where none is saved beside the draft or refit asks."""
+    if refit or not calibration_path(target, draft).exists():
+        from .vocab import training_samples
+        samples = training_samples(target, target_name, sources, per_source, max_new_tokens)
+        save_calibration(calibrate(target, draft, samples), target, draft)
+    return policy_for(target, draft, temperature, max_gamma)

@@ -39,8 +39,12 @@ def _fails(capsys, argv: list[str], phrase: str) -> str:
     (["bench", "kernels", "--threads", "0"], "--threads: must be an integer from 1 to"),
     (["bench", "bandwidth", "--mb", "0"], "--mb: must be an integer >= 1"),
     (["bench", "bandwidth", "--mb", "-1"], "--mb: must be an integer >= 1"),
-    (["bench", "kernels", "--rounds", "0"], "--rounds: must be an integer >= 1"),
+    (["bench", "decode", *TINY, "--rounds", "0"], "--rounds: must be an integer >= 1"),
     (["bench", "decode", *TINY, "--context", "0"], "--context: must be an integer >= 1"),
+    (["bench", "decode", *TINY, "--context", "256,512"], "--context: must be an integer >= 1, got '256,512'"),
+    (["bench", "decode", *TINY, "--threads", "1,2"], "--threads: must be an integer from 1 to"),
+    (["bench", "vk", *TINY, "--context", "64,0"], "--context: must be an integer >= 1, got '0'"),
+    (["bench", "kernels", "--k", "1,0"], "--k: must be an integer >= 1, got '0'"),
     (["bench", "speculative", "--gamma", "0,2"], "--gamma: must be an integer from 1 to"),
     (["bench", "kernels", "--path", "sse9"], "--path: 'sse9' is not a kernel path"),
     (["models", "ppl", "x", "--windows", "0"], "--windows: must be an integer >= 1"),
@@ -55,6 +59,8 @@ def test_gamma_and_k_are_bounded_by_the_engines_max_k(capsys):
     msg = _fails(capsys, ["generate", *TINY, "--lookup", "--gamma", str(top + 1), "1 2 3"], "--gamma")
     assert f"from 1 to {top}" in msg
     msg = _fails(capsys, ["bench", "kernels", "--k", f"1,{top + 1}"], f"--k {top + 1}")
+    assert f"1 to {top} tokens" in msg
+    msg = _fails(capsys, ["bench", "vk", *TINY, "--draft", "tiny-qwen2", "--k", f"1,{top + 1}"], f"--k {top + 1}")
     assert f"1 to {top} tokens" in msg
 
 
@@ -80,6 +86,9 @@ def test_gamma_and_k_are_bounded_by_the_engines_max_k(capsys):
      "--context 5000 is longer than tiny-qwen2 supports"),
     (["bench", "speculative", *TINY, "--draft", "tiny-qwen2", "--prompts", "/nonexistent.jsonl"], "no such file"),
     (["bench", "kernels", "--kernel", "q4,q5"], "--kernel q5: no such kernel; the kernels are q4, q8"),
+    (["bench", "vk", *TINY, "--draft", "tiny-qwen2", "--k", "2,4"], "--k 2,4: v(k) is measured against the one-token"),
+    (["bench", "decode", *TINY, "--scheme", "q3"], "--scheme q3: not a weights format"),
+    (["bench", "speculative", *TINY, "--draft-scheme", "q3"], "--draft-scheme q3: not a weights format"),
     (["models", "export"], "lab models export needs one or more model names; the lab knows: qwen2.5-coder-1.5b"),
     (["models", "fetch"], "lab models fetch needs one or more model names"),
     (["models", "export", "no-such-model"], "unknown model 'no-such-model'"),
@@ -169,3 +178,77 @@ def test_a_bad_prompts_file_fails_before_the_models_load(capsys, tmp_path, monke
     monkeypatch.setattr("lab.engine.Engine", None)      # loading a model would fail with a TypeError
     _fails(capsys, ["bench", "speculative", *TINY, "--draft", "lookup", "--prompts", str(bad), "--gamma", "2"],
            "bad.jsonl:1: a prompt needs question_id, category and turns")
+
+
+# ----------------------------------------------------------------------------
+# lab bench: one parser per bench, each with only its own flags
+# ----------------------------------------------------------------------------
+
+BENCHES = ["bandwidth", "kernels", "decode", "vk", "speculative"]
+
+
+def test_bench_alone_names_the_benches_in_one_line(capsys):
+    msg = _fails(capsys, ["bench"], "the following arguments are required")
+    assert "{" + ",".join(BENCHES) + "}" in msg and "(see lab bench --help)" in msg
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["bench", "kernels", "--rounds", "2"], "--rounds"),          # kernels sets its own repeats
+    (["bench", "decode", "--mb", "64"], "--mb"),                   # bandwidth's buffer
+    (["bench", "bandwidth", "--model", "tiny-qwen2"], "--model"),
+    (["bench", "decode", "--draft-scheme", "q8"], "--draft-scheme"),
+    (["bench", "vk", "--gamma", "2"], "--gamma"),
+    (["bench", "speculative", "--context", "256"], "--context"),
+])
+def test_each_bench_refuses_the_flags_of_the_others(capsys, argv, flag):
+    _fails(capsys, argv, f"unrecognized arguments: {flag}")
+
+
+@pytest.mark.parametrize("argv", [[], ["bench"], *(["bench", b] for b in BENCHES)], ids=lambda a: " ".join(a) or "lab")
+def test_help_builds_nothing(capsys, monkeypatch, argv):
+    """Bounds that come from the engine are read only when their flag is given, so --help needs no compiler."""
+    from lab import native
+
+    def no_build(*a, **kw):
+        raise AssertionError("--help touched the native library")
+    for name in ("build", "lib", "consts"):
+        monkeypatch.setattr(native, name, no_build)
+    assert cli.main([*argv, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: {' '.join(['lab', *argv])} ")
+
+
+@pytest.mark.parametrize("bench", ["kernels", "vk"])
+def test_an_explicit_k_list_is_kept_as_given(bench):
+    args = cli.parser().parse_args(["bench", bench, "--k", "1,2,4,8,16"])
+    assert args.k == [1, 2, 4, 8, 16]
+    assert cli.parser().parse_args(["bench", bench, "--k", "16,1,3"]).k == [16, 1, 3]
+
+
+def _vk_ks(monkeypatch, capsys, extra: list[str]) -> tuple:
+    """The ks lab bench vk hands to lab.bench.vk_bench (a stand-in: nothing is measured)."""
+    seen = {}
+
+    def fake_vk_bench(*a, **kw):
+        seen["ks"] = a[5]
+        return {}
+    monkeypatch.setattr("lab.bench.vk_bench", fake_vk_bench)
+    assert cli.main(["bench", "vk", *TINY, "--draft", "tiny-qwen2", "--json", *extra]) == 0
+    capsys.readouterr()
+    return seen["ks"]
+
+
+def test_vk_measures_the_k_given_and_else_1_to_max_k(monkeypatch, capsys):
+    from lab import profiles
+    assert _vk_ks(monkeypatch, capsys, ["--k", "1,2,4,8,16"]) == (1, 2, 4, 8, 16)
+    assert _vk_ks(monkeypatch, capsys, []) == tuple(range(1, profiles.max_k() + 1))
+
+
+def test_each_bench_runs_its_own_command():
+    p = cli.parser()
+    for bench in BENCHES:
+        assert p.parse_args(["bench", bench]).fn is getattr(cli, f"cmd_bench_{bench}")
+    args = p.parse_args(["bench", "decode", "--context", "512", "--threads", "1"])
+    assert (args.context, args.threads) == (512, 1)
+    args = p.parse_args(["bench", "bandwidth", "--threads", "1,1"])      # a list, on a one-CPU machine too
+    assert args.threads == [1, 1] and args.mb == 512
