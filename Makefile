@@ -12,7 +12,7 @@ TORCH := torch==2.13.0
 TORCH_INDEX ?=
 OUT := outputs
 
-.PHONY: setup test report lab native clean fuzz fuzz-toolchain fuzz-build fuzz-seeds FORCE
+.PHONY: setup llama test report lab native clean fuzz fuzz-toolchain fuzz-build fuzz-seeds FORCE
 
 setup: $(STAMP)
 
@@ -25,13 +25,24 @@ $(STAMP): pyproject.toml
 	$(PIP) install -q -e ".[dev]"
 	touch $(STAMP)
 
+# llama.cpp for the baselines section (llama-cpp-python, pinned in pyproject's "llama" extra).
+# It compiles llama.cpp at install (minutes), so it is its own step: make report and CI take
+# it; without it the baselines section and its tests leave llama.cpp out, saying why.
+# LLAVA_BUILD=OFF: the multimodal library is not needed here.
+LLAMA_STAMP := $(VENV)/.llama
+llama: $(LLAMA_STAMP)
+
+$(LLAMA_STAMP): $(STAMP)
+	CMAKE_ARGS="-DLLAVA_BUILD=OFF $(LLAMA_CMAKE_ARGS)" $(PIP) install -q -e ".[dev,llama]"
+	touch $(LLAMA_STAMP)
+
 native: setup
 	$(PY) -c 'from lab import native; print("native library:", native.build())'
 
 test: native
 	$(PY) -m pytest -q
 
-report: native
+report: native llama
 	$(VENV)/bin/lab models fetch qwen2.5-coder-1.5b qwen2.5-coder-0.5b
 	$(VENV)/bin/lab run --profile default
 	$(VENV)/bin/lab bench kernels --json > $(OUT)/default/kernels.json.tmp && mv $(OUT)/default/kernels.json.tmp $(OUT)/default/kernels.json

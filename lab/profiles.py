@@ -72,9 +72,9 @@ def ranges() -> dict[str, Range]:
     notebooks share their names, so one table serves them all."""
     counts = ("buffer_mb", "rounds", "per_group", "per_source", "max_new_tokens", "top_k", "rank", "steps",
               "batch", "eval_every", "eval_sequences", "specbench_per_group", "bench_new_tokens", "context",
-              "contexts", "ks", "window", "windows", "curve_per_group", "calibration_per_source", "vocab_ns")
+              "contexts", "ks", "window", "windows", "curve_per_group", "calibration_per_source", "vocab_ns", "hf_prompts")
     return {**dict.fromkeys(counts, COUNT),
-            **dict.fromkeys(("gamma", "gammas", "draft_gammas", "lookup_gammas", "max_gamma"), guesses()),
+            **dict.fromkeys(("gamma", "gammas", "draft_gammas", "lookup_gammas", "llama_gammas", "max_gamma", "max_k"), guesses()),
             "threads": dataclasses.replace(cpu_threads(), null=True),          # null: every CPU
             "max_prompt_tokens": dataclasses.replace(COUNT, null=True),    # null: no limit
             "draft_vocab": Range(0, why="0: the stock draft"), "warmup": Range(0), "weight": Range(0),

@@ -111,12 +111,16 @@ class Conversation:
         return out
 
 
-def _bracket(target, ids, runs, max_new_tokens, temperature, seed):
-    """plain, each setting, plain -> (plain results, setting results)."""
-    first = target.generate(ids, max_new_tokens, temperature=temperature, seed=seed)
-    mine = [fn() for fn in runs]
-    last = target.generate(ids, max_new_tokens, temperature=temperature, seed=seed)
-    return (first, last), mine
+def bracket(plain, runs, rate=lambda r: r.tokens_per_s):
+    """plain, each run, plain -- and the whole bracket once more when the two plain runs'
+    rates differ by more than UNSTEADY (a bandwidth flip) -> ((first, last), results, tries)."""
+    for tries in (1, 2):
+        first = plain()
+        mine = [fn() for fn in runs]
+        last = plain()
+        if abs(rate(first) / rate(last) - 1) <= UNSTEADY:
+            break
+    return (first, last), mine, tries
 
 
 def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], max_new_tokens: int = 128,
@@ -144,12 +148,8 @@ def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], 
         answers: list[list[int]] = []
         for turn in range(len(p["turns"])):
             ids = conv.ids(p["turns"][:turn + 1], answers)
-            runs = [spec(ids, s) for s in setting_list]
-            (a, b), mine = _bracket(target, ids, runs, max_new_tokens, temperature, seed)
-            tries = 1
-            if abs(a.tokens_per_s / b.tokens_per_s - 1) > UNSTEADY:
-                (a, b), mine = _bracket(target, ids, runs, max_new_tokens, temperature, seed)
-                tries = 2
+            plain = lambda: target.generate(ids, max_new_tokens, temperature=temperature, seed=seed)
+            (a, b), mine, tries = bracket(plain, [spec(ids, s) for s in setting_list])
             plain_tps = (a.tokens_per_s + b.tokens_per_s) / 2
             for s, r in zip(setting_list, mine):
                 equal = r.tokens == a.tokens
