@@ -1,13 +1,15 @@
-"""The house style for altair charts, rendered so a saved report works offline: the
-Vega/Vega-Lite/Vega-Embed bundle is written inline once per notebook (setup()), and each
-chart is a div plus a call to it — no request leaves the page."""
+"""The house style for altair charts and tables, rendered so a saved report works offline:
+the Vega/Vega-Lite/Vega-Embed bundle and itables' DataTables bundle are written inline once
+per notebook (setup()), and each chart or table is an element plus a call to them — no
+request leaves the page."""
 from __future__ import annotations
 
-import html
 import json
+import math
 import uuid
 
 import altair as alt
+from itables import JavascriptFunction
 
 PALETTE = ["#3b6ea8", "#d1603d", "#5b9e6b", "#8a62a8", "#c9a13b", "#4b8f9e"]
 
@@ -33,17 +35,22 @@ class _Html:
         return self.body
 
 
-def setup():
-    """Call once at the top of a notebook: the house theme, and the chart library inline."""
+def setup() -> None:
+    """Call once at the top of a notebook: the house theme, and the chart and table libraries
+    inline, displayed here rather than returned so they reach the report wherever the call
+    sits in its cell."""
+    import itables
     import vl_convert as vlc
+    from IPython.display import display
     if hasattr(alt, "theme"):                 # altair >= 5.5
         alt.theme.register("lab", enable=True)(lambda: alt.theme.ThemeConfig(_theme()))
     else:
         alt.themes.register("lab", _theme)
         alt.themes.enable("lab")
     bundle = vlc.javascript_bundle("window.vegaEmbed = vegaEmbed;")
-    return _Html(f"<script>(function(){{{bundle}}})();</script>"
-                 "<span style='color:#888;font-size:11px'>charts: Vega-Lite, embedded for offline reading</span>")
+    display(_Html(f"<script>(function(){{{bundle}}})();</script>"
+                  "<span style='color:#888;font-size:11px'>charts: Vega-Lite, embedded for offline reading</span>"))
+    itables.init_notebook_mode(all_interactive=False, connected=False)
 
 
 def show(chart: alt.TopLevelMixin):
@@ -55,18 +62,32 @@ def show(chart: alt.TopLevelMixin):
                  f"vegaEmbed('#{div}', {spec}, {{actions: false, renderer: 'svg'}});}})();</script>")
 
 
-def table(rows: list[dict], columns: list[str] | None = None, digits: int = 3):
-    """A plain sortable HTML table (click a header to sort)."""
-    columns = columns or list(rows[0]) if rows else []
-    tid = f"lab-table-{uuid.uuid4().hex[:10]}"
+def _value(v, digits: int):
+    """A cell: floats cut to digits significant digits but kept numbers, so they sort as numbers."""
+    if isinstance(v, float) and math.isfinite(v):
+        return float(f"{v:.{digits}g}")
+    return str(v) if isinstance(v, (bool, list, dict, tuple)) or v is None else v
 
-    def fmt(v):
-        return f"{v:.{digits}g}" if isinstance(v, float) else html.escape(str(v))
-    head = "".join(f"<th style='cursor:pointer' onclick=\"labSort('{tid}',{i})\">{html.escape(c)}</th>"
-                   for i, c in enumerate(columns))
-    body = "".join("<tr>" + "".join(f"<td>{fmt(r.get(c, ''))}</td>" for c in columns) + "</tr>" for r in rows)
-    script = ("<script>window.labSort=window.labSort||function(id,c){const t=document.getElementById(id);"
-              "const rows=[...t.tBodies[0].rows];const d=t.dataset.dir==='a'?'d':'a';t.dataset.dir=d;"
-              "rows.sort((x,y)=>{const a=x.cells[c].textContent,b=y.cells[c].textContent;const na=parseFloat(a),nb=parseFloat(b);"
-              "const r=isNaN(na)||isNaN(nb)?a.localeCompare(b):na-nb;return d==='a'?r:-r;});rows.forEach(r=>t.tBodies[0].appendChild(r));};</script>")
-    return _Html(f"{script}<table id='{tid}' class='lab-table'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
+
+def _column(rows: list[dict], c: str, digits: int) -> list:
+    """A column's cells; a missing one is NaN in a numeric column (blanked on display) so it stays numeric."""
+    present = [r[c] for r in rows if c in r]
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present)
+    return [_value(r[c], digits) if c in r else math.nan if numeric else "" for r in rows]
+
+
+# NaN, a numeric column's missing cell, shows blank
+_BLANK_NAN = {"targets": "_all", "render": JavascriptFunction(
+    "function (d, type) { return type === 'display' && Number.isNaN(d) ? '' : d; }")}
+
+
+def table(rows: list[dict], columns: list[str] | None = None, digits: int = 3):
+    """A sortable, searchable table (DataTables through itables), its library inlined by setup()."""
+    import pandas as pd
+    from itables import to_html_datatable
+    columns = columns or (list(rows[0]) if rows else [])
+    df = pd.DataFrame({c: _column(rows, c, digits) for c in columns}, columns=columns)
+    # every row on one page, none dropped: a report is read whole
+    return _Html(to_html_datatable(df, connected=False, paging=False, maxBytes=0, showIndex=False,
+                                   format_floats_in_python=False, display_logo_when_loading=False,
+                                   columnDefs=[_BLANK_NAN]))

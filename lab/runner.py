@@ -5,7 +5,6 @@ fails does not stop the others, and never replaces an earlier good report."""
 from __future__ import annotations
 
 import datetime
-import html
 import json
 import os
 import re
@@ -13,6 +12,8 @@ import shutil
 import sys
 import traceback
 from pathlib import Path
+
+import jinja2
 
 from . import profiles
 from .bench import machine
@@ -24,6 +25,26 @@ STYLE = ("body{font-family:Helvetica,Arial,sans-serif;margin:2em;max-width:70em}
 
 
 _WIDGET = "application/vnd.jupyter.widget-view+json"
+
+# index.html; autoescape: notebook names, figures and errors are text, never markup
+INDEX = jinja2.Environment(autoescape=True, trim_blocks=True, lstrip_blocks=True).from_string("""\
+<!DOCTYPE html><html><head><meta charset="utf-8"><title>lab — {{ profile }}</title>
+<style>{{ style }}</style></head><body>
+<h1>Speculative decoding on a CPU — profile <i>{{ profile }}</i></h1>
+<p>Machine: {{ m.cpu }}, {{ m.logical_cpus }} logical CPUs, kernel path {{ m.kernel_path }},
+commit {{ m.commit }}, {{ m.date }}</p>
+<table><tr><th>section</th><th>status</th><th>headline figures</th><th>seconds</th><th>run at</th></tr>
+{% for e in entries %}
+<tr><td>
+{%- if e.status == "ok" %}<a href='{{ e.html }}'>{{ e.notebook }}</a>
+{%- else %}{{ e.notebook }}{% if e.previous_report %} (<a href='{{ e.previous_report }}'>last good report</a>){% endif %}{% endif -%}
+</td><td>
+{%- if e.status == "ok" %}ok{% else %}<span style='color:#b00'>failed: {{ e.error }}</span>{% endif -%}
+</td><td>
+{%- for k, v in (e.headline or {}).items() %}{{ k }}: <b>{{ v }}</b>{% if not loop.last %}<br>{% endif %}{% endfor -%}
+</td><td>{{ e.seconds }}</td><td>{{ e.started }}</td></tr>
+{% endfor %}
+</table></body></html>""")
 
 
 def _quiet(nb):
@@ -99,26 +120,7 @@ def write_index(out: Path, entries: list[dict], profile: str, machine_info: dict
         prev[e["notebook"]] = e
     m = machine_info or machine()
     write_text_atomic(idx, json.dumps({"profile": profile, "machine": m, "entries": list(prev.values())}, indent=1))
-    rows = []
-    for e in sorted(prev.values(), key=lambda e: e["notebook"]):
-        figs = "<br>".join(f"{html.escape(str(k))}: <b>{html.escape(str(v))}</b>" for k, v in e.get("headline", {}).items())
-        if e["status"] == "ok":
-            link = f"<a href='{html.escape(e['html'])}'>{html.escape(e['notebook'])}</a>"
-            state = "ok"
-        else:
-            link = html.escape(e["notebook"])
-            if e.get("previous_report"):
-                link += f" (<a href='{html.escape(e['previous_report'])}'>last good report</a>)"
-            state = f"<span style='color:#b00'>failed: {html.escape(e.get('error', ''))}</span>"
-        rows.append(f"<tr><td>{link}</td><td>{state}</td><td>{figs}</td><td>{e.get('seconds', '')}</td>"
-                    f"<td>{html.escape(e.get('started', ''))}</td></tr>")
-    page = f"""<!DOCTYPE html><html><head><meta charset="utf-8"><title>lab — {html.escape(profile)}</title>
-<style>{STYLE}</style></head><body>
-<h1>Speculative decoding on a CPU — profile <i>{html.escape(profile)}</i></h1>
-<p>Machine: {html.escape(str(m['cpu']))}, {m['logical_cpus']} logical CPUs, kernel path {html.escape(m['kernel_path'])},
-commit {html.escape(str(m['commit']))}, {html.escape(m['date'])}</p>
-<table><tr><th>section</th><th>status</th><th>headline figures</th><th>seconds</th><th>run at</th></tr>
-{''.join(rows)}</table></body></html>"""
+    page = INDEX.render(profile=profile, style=STYLE, m=m, entries=sorted(prev.values(), key=lambda e: e["notebook"]))
     write_text_atomic(out / "index.html", page)
     return out / "index.html"
 

@@ -50,18 +50,32 @@ def alpha_from_accepted(mean_accepted: float, gamma: float) -> float:
     return (lo + hi) / 2
 
 
+def geomean(xs) -> float:
+    """The mean of ratios (speedups): geometric, so 0.5x and 2x average to 1x."""
+    xs = [x for x in xs if x > 0]
+    return float(np.exp(np.mean(np.log(xs)))) if xs else float("nan")
+
+
+def best_measured_gamma(rows: list[dict], key: str) -> int:
+    """The γ whose rows have the highest geometric-mean `key` (a measured speedup)."""
+    by_g: dict[int, list[float]] = {}
+    for r in rows:
+        by_g.setdefault(r["gamma"], []).append(r[key])
+    return max(by_g, key=lambda g: geomean(by_g[g]))
+
+
 def best_gammas(table: list[dict], gammas) -> list[dict]:
-    """Per group (and overall) and drafter: the gamma with the highest mean measured speedup,
-    with the prediction at that gamma. table: rows of lab.bench.gamma_bench."""
+    """Per group (and overall) and drafter: the γ with the highest measured speedup, with the
+    prediction at that γ (geometric means). table: rows of lab.bench.gamma_bench."""
     out = []
     groups = list(dict.fromkeys(r["group"] for r in table)) + ["overall"]
     for grp in groups:
         for dr in dict.fromkeys(r["drafter"] for r in table):
-            mine = [r for r in table if r["drafter"] == dr and grp in ("overall", r["group"])]
-            mean = lambda key, g: sum(r[key] for r in mine if r["gamma"] == g) / max(1, sum(r["gamma"] == g for r in mine))
-            g = max(gammas, key=lambda g: mean("measured", g))
-            out.append({"group": grp, "drafter": dr, "best γ": g, "measured": mean("measured", g),
-                        "predicted": mean("predicted", g)})
+            mine = [r for r in table if r["drafter"] == dr and grp in ("overall", r["group"]) and r["gamma"] in gammas]
+            g = best_measured_gamma(mine, "measured")
+            at = [r for r in mine if r["gamma"] == g]
+            out.append({"group": grp, "drafter": dr, "best γ": g, "measured": geomean(r["measured"] for r in at),
+                        "predicted": geomean(r["predicted"] for r in at)})
     return out
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from . import native, specbench
+from .spec import geomean
 from .errors import LabError
 
 UNSTEADY = 0.15
@@ -48,11 +49,6 @@ def settings(draft: str | None, policy: str, gammas) -> list[Setting]:
     if policy != "fixed":
         raise LabError(f"--policy must be fixed or auto, not {policy!r}")
     return [Setting(drafter, g) for g in gammas]
-
-
-def geomean(xs) -> float:
-    xs = [x for x in xs if x > 0]
-    return float(np.exp(np.mean(np.log(xs)))) if xs else float("nan")
 
 
 def predicted(result, costs) -> float:

@@ -40,5 +40,5 @@ def test_best_gammas_per_group_and_overall():
              for grp, ms in (("a", {1: 1.1, 2: 1.3}), ("b", {1: 1.2, 2: 0.9})) for g, m in ms.items()]
     best = {(b["group"], b["drafter"]): b for b in spec.best_gammas(table, [1, 2])}
     assert best[("a", "draft")]["best γ"] == 2 and best[("b", "draft")]["best γ"] == 1
-    assert best[("overall", "draft")]["best γ"] == 1                    # (1.1+1.2)/2 > (1.3+0.9)/2
-    assert abs(best[("overall", "draft")]["predicted"] - 1.25) < 1e-12
+    assert best[("overall", "draft")]["best γ"] == 1                    # √(1.1·1.2) > √(1.3·0.9)
+    assert best[("overall", "draft")]["predicted"] == pytest.approx((1.2 * 1.3) ** 0.5)

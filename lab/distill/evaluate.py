@@ -48,20 +48,22 @@ def summarize(rows: list[dict], gammas=tuple(range(1, 9)), by: str = "group") ->
 
 
 def speedups(target, drafts: dict, prompts, gammas=(1, 2, 3, 4), max_new_tokens: int = 64) -> list[dict]:
-    """Greedy speculative against plain decoding per prompt, each draft at each γ, run back to
-    back (plain first, then the drafts alternating) so drift hits them alike; every output is
+    """Greedy speculative against plain decoding per prompt, each draft at each γ, bracketed
+    by two plain runs (lab.speculative.bracket) so drift hits them alike; every output is
     checked equal to plain. prompts: (group, ids)."""
+    from ..speculative import SpeculationMismatch, bracket
     rows = []
+    settings = [(g, name, d) for g in gammas for name, d in drafts.items()]
     for group, ids in tqdm(prompts, desc="speedups", unit="prompt", file=sys.stderr):
-        plain = target.generate(ids, max_new_tokens)
-        for g in gammas:
-            for name, d in drafts.items():
-                r = target.speculate(ids, d, gamma=g, max_new_tokens=max_new_tokens)
-                if r.tokens != plain.tokens:
-                    raise RuntimeError(f"speculative output differs from plain ({group}, {name}, gamma {g})")
-                rows.append({"group": group, "draft": name, "gamma": g, "speedup": r.tokens_per_s / plain.tokens_per_s,
-                             "tokens_per_round": r.tokens_per_round, "acceptance": r.acceptance,
-                             "accepted": [a for _, a in r.per_round]})
+        runs = [lambda g=g, d=d: target.speculate(ids, d, gamma=g, max_new_tokens=max_new_tokens) for g, _, d in settings]
+        (a, b), mine, _ = bracket(lambda: target.generate(ids, max_new_tokens), runs)
+        plain_tps = (a.tokens_per_s + b.tokens_per_s) / 2
+        for (g, name, _), r in zip(settings, mine):
+            if r.tokens != a.tokens:
+                raise SpeculationMismatch(f"speculative output differs from plain ({group}, {name}, gamma {g})")
+            rows.append({"group": group, "draft": name, "gamma": g, "speedup": r.tokens_per_s / plain_tps,
+                         "tokens_per_round": r.tokens_per_round, "acceptance": r.acceptance,
+                         "accepted": [acc for _, acc in r.per_round]})
     return rows
 
 
@@ -88,13 +90,9 @@ def best_speedups(rows: list[dict]) -> list[dict]:
     """Per draft: the γ with the highest geometric-mean speedup over all prompts."""
     out = []
     for d in dict.fromkeys(r["draft"] for r in rows):
-        by_g = {}
-        for r in rows:
-            if r["draft"] == d:
-                by_g.setdefault(r["gamma"], []).append(r)
-        geo = {g: float(np.exp(np.mean(np.log([r["speedup"] for r in rs])))) for g, rs in by_g.items()}
-        g = max(geo, key=geo.get)
-        out.append({"draft": d, "best γ": g, "speedup": geo[g],
-                    "tokens_per_round": float(np.mean([r["tokens_per_round"] for r in by_g[g]])),
-                    "acceptance": float(np.mean([r["acceptance"] for r in by_g[g]]))})
+        g = spec.best_measured_gamma([r for r in rows if r["draft"] == d], "speedup")
+        at = [r for r in rows if r["draft"] == d and r["gamma"] == g]
+        out.append({"draft": d, "best γ": g, "speedup": spec.geomean(r["speedup"] for r in at),
+                    "tokens_per_round": float(np.mean([r["tokens_per_round"] for r in at])),
+                    "acceptance": float(np.mean([r["acceptance"] for r in at]))})
     return out
