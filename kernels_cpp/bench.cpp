@@ -3,8 +3,11 @@
 // C++ so no Python lands in a timing.
 #include <immintrin.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
+#include <string>
+#include <vector>
 
 #include "clock.h"
 #include "threadpool.h"
@@ -115,97 +118,211 @@ void bench_triad(float* a, const float* b, const float* c, int64_t n, ThreadPool
 }
 
 // ----------------------------------------------------------------------------
-// Issue peak: 16 independent chains of the path's dot-product instruction
+// Issue peak: the path's dot-product instruction issued every way a kernel could
 // ----------------------------------------------------------------------------
+// A variant is one loop of independent chains of one instruction form at one register
+// width; the path's peak is its best variant, since no kernel issues faster than the core's
+// best loop. Each instruction is written in asm, so every loop issues exactly what its name says.
 
 namespace {
 
-#pragma GCC push_options
-#pragma GCC target("avx2,avx512f,avx512bw,avx512vl,avx512vnni")
-double peak_avx512(int64_t iters, int width) {
-    __m512i acc[16];
-    const __m512i w = _mm512_set1_epi32((int)(g_sink | 0x01010101)), a = _mm512_set1_epi32(0x02020202);
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_set1_epi32(i);
-    __m256i acc2[16];
-    const __m256i w2 = _mm512_castsi512_si256(w), a2 = _mm512_castsi512_si256(a);
-    for (int i = 0; i < 16; i++) acc2[i] = _mm256_set1_epi32(i);
+struct Variant {
+    std::string name;              // "op/width/form/chains"
+    double (*run)(int64_t n);      // MAC/s over about n dot-product instructions
+};
+
+std::string variant_name(const char* op, int width, const char* form, int chains) {
+    return std::string(op) + "/" + std::to_string(width) + "/" + form + "/" + std::to_string(chains);
+}
+
+// The activation bytes the broadcast forms read (L1-resident, never written). The asm takes
+// their address in a register, not as an "m" operand, which would keep every chain in memory.
+alignas(64) int8_t g_act[64];
+
+// Folds the chains into g_sink, so none is dead code (summed in registers: an array whose
+// address escaped would keep the chains in memory).
+template <class V, int C>
+inline void keep(const V (&acc)[C]) {
+    V s = acc[0];
+    for (int i = 1; i < C; i++) s += acc[i];
+    uint64_t x = 0;
+    std::memcpy(&x, &s, sizeof s < sizeof x ? sizeof s : sizeof x);     // every chain reaches lane 0
+    g_sink = x;
+}
+
+// In every loop below each chain must live in its own register: the chain loop is unrolled
+// by pragma (GCC stops at 16 by itself), and each chain goes through a local around its asm,
+// since an asm writing an array element straight in keeps the whole array in memory.
+
+// The scalar reference's multiply-add: one imul and one add per MAC, each chain in its
+// own general register (the empty asm keeps the compiler from vectorising the chains).
+template <int C>
+double dot_scalar(int64_t n) {
+    uint32_t acc[C], w = 3, x = 5;
+    for (int i = 0; i < C; i++) acc[i] = i;
+    asm("" : "+r"(w), "+r"(x));
+    const int64_t iters = n / C;
     const double t0 = now();
-    if (width == 512) {
-        for (int64_t it = 0; it < iters; it++)
-            for (int i = 0; i < 16; i++) acc[i] = _mm512_dpbusd_epi32(acc[i], w, a);
-    } else {
-        for (int64_t it = 0; it < iters; it++)
-            for (int i = 0; i < 16; i++) acc2[i] = _mm256_dpbusd_epi32(acc2[i], w2, a2);
-    }
+    for (int64_t it = 0; it < iters; it++)
+#pragma GCC unroll 32
+        for (int i = 0; i < C; i++) {
+            uint32_t s = acc[i] * w + x;
+            asm("" : "+r"(s));
+            acc[i] = s;
+        }
     const double dt = now() - t0;
-    __m512i x = acc[0];
-    for (int i = 1; i < 16; i++) x = _mm512_add_epi32(x, acc[i]);
-    for (int i = 0; i < 16; i++) x = _mm512_add_epi32(x, _mm512_castsi256_si512(acc2[i]));
-    g_sink = (uint64_t)_mm512_reduce_add_epi32(x);
-    return (double)iters * 16 * (width / 8) / dt;
+    keep(acc);
+    return (double)iters * C / dt;
+}
+
+template <int... C>
+void add_scalar(std::vector<Variant>& out) {
+    (out.push_back({variant_name("imul", 32, "reg", C), dot_scalar<C>}), ...);
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx2")
+// The AVX2 stand-in for vpdpbusd: maddubs + madd + add per 32 MACs; PAIR is the 4-bit
+// kernels' form, two maddubs summed in int16 before one madd, per 64 MACs.
+template <int C, bool PAIR>
+double dot_avx2(int64_t n) {
+    __m256i acc[C], w = {}, a = {}, one = {};
+    for (int i = 0; i < C; i++) acc[i] = _mm256_set1_epi32(i);
+    asm("" : "+x"(w), "+x"(a), "+x"(one));
+    const int64_t iters = n / C;
+    const double t0 = now();
+    for (int64_t it = 0; it < iters; it++)
+#pragma GCC unroll 32
+        for (int i = 0; i < C; i++) {
+            __m256i s = acc[i], t, u;
+            if constexpr (PAIR)
+                asm("vpmaddubsw %4, %3, %1\n\tvpmaddubsw %4, %3, %2\n\tvpaddw %2, %1, %1\n\t"
+                    "vpmaddwd %5, %1, %1\n\tvpaddd %1, %0, %0"
+                    : "+x"(s), "=&x"(t), "=&x"(u) : "x"(w), "x"(a), "x"(one));
+            else
+                asm("vpmaddubsw %3, %2, %1\n\tvpmaddwd %4, %1, %1\n\tvpaddd %1, %0, %0"
+                    : "+x"(s), "=&x"(t) : "x"(w), "x"(a), "x"(one));
+            acc[i] = s;
+        }
+    const double dt = now() - t0;
+    keep(acc);
+    return (double)iters * C * (PAIR ? 64 : 32) / dt;
+}
+
+template <bool PAIR, int... C>
+void add_avx2(std::vector<Variant>& out) {
+    (out.push_back({variant_name(PAIR ? "maddubs-pair" : "maddubs", 256, "reg", C), dot_avx2<C, PAIR>}), ...);
 }
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,avxvnni")
-double peak_avxvnni(int64_t iters) {
-    __m256i acc[12];
-    const __m256i w = _mm256_set1_epi32((int)(g_sink | 0x01010101)), a = _mm256_set1_epi32(0x02020202);
-    for (int i = 0; i < 12; i++) acc[i] = _mm256_set1_epi32(i);
+// The VEX vpdpbusd of AVX-VNNI: 16 registers, and no broadcast operand (a separate broadcast
+// load would only add an instruction, never speed the loop).
+template <int C>
+double dot_vex(int64_t n) {
+    __m256i acc[C], w = {}, a = {};
+    for (int i = 0; i < C; i++) acc[i] = _mm256_set1_epi32(i);
+    asm("" : "+x"(w), "+x"(a));
+    const int64_t iters = n / C;
     const double t0 = now();
     for (int64_t it = 0; it < iters; it++)
-        for (int i = 0; i < 12; i++) acc[i] = _mm256_dpbusd_avx_epi32(acc[i], w, a);
+#pragma GCC unroll 32
+        for (int i = 0; i < C; i++) {
+            __m256i s = acc[i];
+            asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(s) : "x"(w), "x"(a));
+            acc[i] = s;
+        }
     const double dt = now() - t0;
-    __m256i x = acc[0];
-    for (int i = 1; i < 12; i++) x = _mm256_add_epi32(x, acc[i]);
-    g_sink = (uint64_t)_mm256_extract_epi32(x, 0);
-    return (double)iters * 12 * 32 / dt;
+    keep(acc);
+    return (double)iters * C * 32 / dt;
+}
+
+template <int... C>
+void add_vex(std::vector<Variant>& out) {
+    (out.push_back({variant_name("vpdpbusd-vex", 256, "reg", C), dot_vex<C>}), ...);
 }
 #pragma GCC pop_options
 
 #pragma GCC push_options
-#pragma GCC target("avx2")
-double peak_avx2(int64_t iters) {     // maddubs + madd + add: the AVX2 stand-in for vpdpbusd
-    __m256i acc[8];
-    const __m256i w = _mm256_set1_epi32((int)(g_sink | 0x01010101)), a = _mm256_set1_epi32(0x02020202);
-    const __m256i one = _mm256_set1_epi16(1);
-    for (int i = 0; i < 8; i++) acc[i] = _mm256_set1_epi32(i);
+#pragma GCC target("avx2,avx512f,avx512bw,avx512vl,avx512vnni")
+// The EVEX vpdpbusd on zmm (V = __m512i) or ymm: acc += w . a, the four activation bytes
+// from a register or broadcast by the instruction's own memory operand ({1toN}), the form
+// matmul.cpp's dpbusd_bcst issues.
+template <class V, int C, bool BCST>
+double dot_evex(int64_t n) {
+    V acc[C], w = {}, a = {};
+    for (int i = 0; i < C; i++) acc[i] = V{} + i;
+    asm("" : "+v"(w), "+v"(a));
+    const int64_t iters = n / C;
     const double t0 = now();
     for (int64_t it = 0; it < iters; it++)
-        for (int i = 0; i < 8; i++)
-            acc[i] = _mm256_add_epi32(acc[i], _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), one));
+#pragma GCC unroll 32
+        for (int i = 0; i < C; i++) {
+            V s = acc[i];
+            if constexpr (!BCST)
+                asm("vpdpbusd %2, %1, %0" : "+v"(s) : "v"(w), "v"(a));
+            else if constexpr (sizeof(V) == 64)
+                asm("vpdpbusd (%2)%{1to16%}, %1, %0" : "+v"(s) : "v"(w), "r"(g_act));
+            else
+                asm("vpdpbusd (%2)%{1to8%}, %1, %0" : "+v"(s) : "v"(w), "r"(g_act));
+            acc[i] = s;
+        }
     const double dt = now() - t0;
-    __m256i x = acc[0];
-    for (int i = 1; i < 8; i++) x = _mm256_add_epi32(x, acc[i]);
-    g_sink = (uint64_t)_mm256_extract_epi32(x, 0);
-    return (double)iters * 8 * 32 / dt;
+    keep(acc);
+    return (double)iters * C * sizeof(V) / dt;      // one MAC per byte of the register
+}
+
+// 32 registers: the weights, the activations (register form) and up to 30 chains.
+template <class V, bool BCST, int... C>
+void add_evex_form(std::vector<Variant>& out) {
+    (out.push_back({variant_name("vpdpbusd", 8 * sizeof(V), BCST ? "bcst" : "reg", C), dot_evex<V, C, BCST>}), ...);
+}
+
+void add_evex(std::vector<Variant>& out, int width) {
+    if (width == 512) {
+        add_evex_form<__m512i, false, 4, 8, 12, 16, 24, 30>(out);
+        add_evex_form<__m512i, true, 4, 8, 12, 16, 24, 30>(out);
+    } else {
+        add_evex_form<__m256i, false, 4, 8, 12, 16, 24, 30>(out);
+        add_evex_form<__m256i, true, 4, 8, 12, 16, 24, 30>(out);
+    }
 }
 #pragma GCC pop_options
 
-double peak_scalar(int64_t iters) {
-    int32_t acc[8] = {0, 1, 2, 3, 4, 5, 6, 7};
-    const int32_t w = (int32_t)(g_sink & 7) + 3;
-    const double t0 = now();
-    for (int64_t it = 0; it < iters; it++)
-        for (int i = 0; i < 8; i++) acc[i] += w * (int32_t)(it & 127);
-    const double dt = now() - t0;
-    int64_t s = 0;
-    for (int i = 0; i < 8; i++) s += acc[i];
-    g_sink = (uint64_t)s;
-    return (double)iters * 8 / dt;
+// Each path's loops: the instructions its kernels may issue, at the widths it has, with up
+// to as many chains as registers allow (16 under VEX, less w, a and temporaries).
+const std::vector<Variant>& variants(int path) {
+    static const auto table = [] {
+        std::vector<std::vector<Variant>> t(PATH_COUNT);
+        add_scalar<4, 8, 10>(t[PATH_SCALAR]);
+        add_avx2<false, 4, 8, 12>(t[PATH_AVX2]);
+        add_avx2<true, 4, 8, 10>(t[PATH_AVX2]);
+        add_vex<4, 8, 12, 14>(t[PATH_AVXVNNI]);
+        add_evex(t[PATH_AVX512VNNI], 512);
+        add_evex(t[PATH_AVX512VNNI], 256);
+        add_evex(t[PATH_VNNI256_EVEX], 256);
+        return t;
+    }();
+    return table[path];
 }
 
 }  // namespace
 
-double bench_dot_peak(int path, int64_t iters) {
-    if (!path_supported(path)) return 0.0;
-    switch (path) {
-        case PATH_AVX512VNNI: return peak_avx512(iters, 512);
-        case PATH_VNNI256_EVEX: return peak_avx512(iters, 256);
-        case PATH_AVXVNNI: return peak_avxvnni(iters);
-        case PATH_AVX2: return peak_avx2(iters);
-        default: return peak_scalar(iters);
-    }
+const char* dot_variant(int path, int v) {
+    if (path < 0 || path >= PATH_COUNT || v < 0 || v >= (int)variants(path).size()) return "";
+    return variants(path)[v].name.c_str();
+}
+
+double bench_dot_variant(int path, int v, int64_t n) {
+    if (!path_supported(path) || !*dot_variant(path, v)) return 0.0;
+    return variants(path)[v].run(n);
+}
+
+double bench_dot_peak(int path, int64_t n) {
+    double best = 0.0;
+    for (int v = 0; *dot_variant(path, v); v++) best = std::max(best, bench_dot_variant(path, v, n));
+    return best;
 }
 
 int bench_matmul(const PackedMat& W, const QActs& A, float* y, int path, ThreadPool* pool, int chunk,

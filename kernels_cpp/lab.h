@@ -67,15 +67,33 @@ private:
 
 int online_cpus();
 
-// The matmuls' split: guided, shares shrinking to 96 KB of weights, because a weight stream
-// wants long runs per thread (each jump restarts the prefetchers and strands the prefetches
-// past a run's end) while the shrinking tail keeps the threads finishing together on a
-// shared machine. A matrix under 4 MB goes in static halves instead: each hand-out is an
-// atomic on a line the other cores share, which on so short a stream costs more than the
-// balancing buys. The measurements behind both numbers: docs/tuning.md.
+// The matmuls' split: guided, shares shrinking to Tuning::guided_min_bytes of weights, because
+// a weight stream wants long runs per thread (each jump restarts the prefetchers and strands
+// the prefetches past a run's end) while the shrinking tail keeps the threads finishing
+// together on a shared machine. A matrix under Tuning::guided_from_bytes goes in static halves
+// instead: each hand-out is an atomic on a line the other cores share, which on so short a
+// stream costs more than the balancing buys. The measurements: docs/tuning.md.
 constexpr int SPLIT_GUIDED = -1;
-constexpr int64_t GUIDED_MIN_BYTES = 96 << 10;
-constexpr int64_t GUIDED_FROM_BYTES = 4 << 20;
+
+// ----------------------------------------------------------------------------
+// Tuning: the choices made for speed only, measured per machine by `lab tune` (lab/tune.py).
+// None changes a result: they move prefetch addresses, pick one of two prefetch schemes and
+// split tiles over threads; whatever changes arithmetic order stays fixed per kernel path.
+// ----------------------------------------------------------------------------
+
+struct Tuning {
+    // The AVX-512 kernel asks for its weight stream this far ahead, in bytes of a 4-bit stream
+    // (an 8-bit one goes as many blocks ahead): one token into L1; k >= 2 into L1 and into L2.
+    int prefetch_k1 = 8192;
+    int prefetch_l1_k = 4096;
+    int prefetch_l2_k = 16384;
+    bool q4_k2_single = false;              // 4-bit matrices at k = 2 take the single-token scheme
+    int64_t guided_min_bytes = 96 << 10;    // the smallest guided share
+    int64_t guided_from_bytes = 4 << 20;    // smaller matrices go in static halves
+};
+Tuning default_tuning();                    // the above, with this CPU's default q4_k2_single
+Tuning tuning();                            // the values in force
+int set_tuning(const Tuning& t);            // between kernel calls; 1 (and no change) when out of range
 
 // ----------------------------------------------------------------------------
 // Block formats (split layout: scales region, then bytes region; docs/science.md §2)
@@ -198,6 +216,11 @@ enum MatmulStatus : int {
 // the pool by tiles of 16 rows: chunk 0 static, n > 0 n tiles at a time, SPLIT_GUIDED.
 int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path,
            ThreadPool* pool, int chunk);
+
+// For lab/tune.py: times `reps` walks over W (whole tiles, no padding rows), one matmul call per
+// consecutive slice of slice_tiles tiles as a model's layers make them -> seconds per walk.
+int bench_matmul_slices(const PackedMat& W, int slice_tiles, const QActs& A, float* y, int path,
+                        ThreadPool* pool, int chunk, int reps, double* secs);
 
 // ----------------------------------------------------------------------------
 // The engine's weights file (written by lab/models/export.py, described in
@@ -452,8 +475,13 @@ void bench_read(const uint8_t* buf, int64_t bytes, ThreadPool* pool, int reps, d
 void bench_copy(float* dst, const float* src, int64_t n, ThreadPool* pool, int reps, double* secs);
 void bench_triad(float* a, const float* b, const float* c, int64_t n, ThreadPool* pool,
                  int reps, double* secs);
-// Independent dot-product chains on one thread: returns int8 multiply-accumulates per second.
-double bench_dot_peak(int path, int64_t iters);
+// The dot-product issue peak on one thread, in int8 multiply-accumulates per second. A path's
+// loops (independent chains of one instruction form at one width) are named
+// "op/width/form/chains", "" past the last; bench_dot_variant times one over about n
+// instructions, bench_dot_peak returns the best of them, each timed once.
+const char* dot_variant(int path, int v);
+double bench_dot_variant(int path, int v, int64_t n);
+double bench_dot_peak(int path, int64_t n);
 int bench_matmul(const PackedMat& W, const QActs& A, float* y, int path, ThreadPool* pool,
                  int chunk, int reps, double* secs);
 void fill_random(uint8_t* buf, int64_t n, uint64_t seed);

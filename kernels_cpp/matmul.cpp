@@ -153,21 +153,15 @@ struct Dot {
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")
 namespace avx512 {
 
-#ifndef LAB_PREFETCH
-#define LAB_PREFETCH 8192
-#endif
-// How far ahead a thread asks for its weight stream (tiles are contiguous), in bytes of a
-// 4-bit stream (an 8-bit one goes the same number of blocks, twice the bytes), one request
-// per line. One token is bound by the stream, so it asks LAB_PREFETCH ahead into L1 and
-// nothing more: a further request into L2 slowed it. Several tokens are bound by arithmetic
-// as much as by the stream, and the hardware prefetcher falls behind a stream read that
-// slowly, so they ask into L2 far ahead and into L1 near. Measurements: docs/tuning.md.
-constexpr int PREFETCH = LAB_PREFETCH;
-constexpr int PREFETCH_L1_K = 4096, PREFETCH_L2_K = 16384;      // k >= 2
-// Which kernels take the single-token scheme: one token, and two tokens where the stream
-// still binds them -- 8-bit matrices everywhere, 4-bit ones only on Intel. The vendor is a
-// stand-in for the memory systems of the two machines measured (docs/tuning.md), not a rule.
-constexpr bool stream_bound(int fmt, int k, bool intel) { return k == 1 || (k == 2 && (fmt == FMT_Q8 || intel)); }
+// How far ahead a thread asks for its weight stream (tiles are contiguous) is a Tuning value
+// (lab.h), in bytes of a 4-bit stream (an 8-bit one goes the same number of blocks, twice the
+// bytes), one request per line. One token is bound by the stream, so it asks prefetch_k1 ahead
+// into L1 and nothing more: a further request into L2 slowed it. Several tokens are bound by
+// arithmetic as much as by the stream, and the hardware prefetcher falls behind a stream read
+// that slowly, so they ask into L2 far ahead and into L1 near. Measurements: docs/tuning.md.
+// Which kernels take the single-token scheme: one token, and two tokens where the stream still
+// binds them -- 8-bit matrices always, 4-bit ones when Tuning::q4_k2_single says so.
+constexpr bool stream_bound(int fmt, int k, bool q4_k2) { return k == 1 || (k == 2 && (fmt == FMT_Q8 || q4_k2)); }
 
 // s + w . (the 4 activation bytes at a, in every lane), the bytes broadcast by the
 // instruction's own memory operand: no separate broadcast to issue per token and block.
@@ -186,13 +180,13 @@ constexpr bool through_memory(int fmt, int k) { return k == 2 || (fmt == FMT_Q8 
 
 // One tile's rows for the G tokens from `tok0` on, every block in order, in a pass of K
 // tokens in all. SINGLE: the single-token prefetch scheme; only the first group of a tile
-// asks for the stream ahead (PREFETCH_AHEAD).
+// asks for the stream ahead (PREFETCH_AHEAD), `ahead` bytes into L1 and `ahead_l2` into L2.
 template <int FMT, int G, int K, bool SINGLE, bool PREFETCH_AHEAD>
-static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int tok0, float (*acc)[TILE]) {
+static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int tok0, float (*acc)[TILE],
+                             int64_t ahead, int64_t ahead_l2) {
     const int nb = W.cols / QK;
     constexpr int CH = FMT == FMT_Q4 ? 4 : 8;
     const __m512i nib = _mm512_set1_epi8(0x0f);
-    const int64_t ahead = (SINGLE ? PREFETCH : PREFETCH_L1_K) * CH / 4, ahead_l2 = PREFETCH_L2_K * CH / 4;
     const uint16_t* dt = W.d + (int64_t)tile * nb * TILE;
     const uint8_t* qt = W.q + (int64_t)tile * nb * CH * 64;
     __m512 vacc[G];
@@ -236,27 +230,32 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
 // from cache, because in one group up to 16 accumulators beside a block's 8 weight registers
 // crowd the 32 registers and the compiler spills them (docs/tuning.md).
 template <int FMT, int K, bool SINGLE>
-static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1) {
+static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1, const Tuning& tn) {
     constexpr int G1 = K <= 8 ? K : (K + 1) / 2, G2 = K - G1;
+    constexpr int CH = FMT == FMT_Q4 ? 4 : 8;
+    const int64_t ahead = (int64_t)(SINGLE ? tn.prefetch_k1 : tn.prefetch_l1_k) * CH / 4;
+    const int64_t ahead_l2 = (int64_t)tn.prefetch_l2_k * CH / 4;
     alignas(64) float acc[K][TILE];
     for (int tile = t0; tile < t1; tile++) {
-        tile_pass<FMT, G1, K, SINGLE, true>(W, A, tile, 0, acc);
-        if constexpr (G2 > 0) tile_pass<FMT, G2, K, SINGLE, false>(W, A, tile, G1, acc + G1);
+        tile_pass<FMT, G1, K, SINGLE, true>(W, A, tile, 0, acc, ahead, ahead_l2);
+        if constexpr (G2 > 0) tile_pass<FMT, G2, K, SINGLE, false>(W, A, tile, G1, acc + G1, ahead, ahead_l2);
         store_tile(W, y, ldy, tile, K, acc);
     }
 }
 
-template <int FMT, bool INTEL, int... I>
-constexpr std::array<TilesFn, sizeof...(I)> by_k(std::integer_sequence<int, I...>) {
-    return {tiles_k<FMT, I + 1, stream_bound(FMT, I + 1, INTEL)>...};
+using TunedFn = void (*)(const PackedMat&, const QActs&, float*, int64_t, int, int, const Tuning&);
+
+template <int FMT, bool Q4_K2, int... I>
+constexpr std::array<TunedFn, sizeof...(I)> by_k(std::integer_sequence<int, I...>) {
+    return {tiles_k<FMT, I + 1, stream_bound(FMT, I + 1, Q4_K2)>...};
 }
 
 template <int FMT>
 static void tiles(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1) {
-    static constexpr auto amd = by_k<FMT, false>(std::make_integer_sequence<int, MAX_K>{});
-    static constexpr auto intel = by_k<FMT, true>(std::make_integer_sequence<int, MAX_K>{});
-    static const bool is_intel = std::strcmp(cpu_info().vendor, "GenuineIntel") == 0;
-    (is_intel ? intel : amd)[A.k() - 1](W, A, y, ldy, t0, t1);
+    static constexpr auto apart = by_k<FMT, false>(std::make_integer_sequence<int, MAX_K>{});
+    static constexpr auto single = by_k<FMT, true>(std::make_integer_sequence<int, MAX_K>{});
+    const Tuning tn = tuning();
+    (tn.q4_k2_single ? single : apart)[A.k() - 1](W, A, y, ldy, t0, t1, tn);
 }
 
 }  // namespace avx512
@@ -291,8 +290,10 @@ int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path, 
     if (!path_supported(path)) return MM_PATH_UNSUPPORTED;
     const TilesFn fn = tiles_for(path, W.fmt);
     if (chunk < 0) {    // guided: the pool's smallest share in tiles, from bytes; small matrices static
+        const Tuning tn = tuning();
         const int64_t tile_bytes = packed_nbytes(W.fmt, TILE, W.cols);
-        chunk = tile_bytes * W.tiles < GUIDED_FROM_BYTES ? 0 : -(int)((GUIDED_MIN_BYTES + tile_bytes - 1) / tile_bytes);
+        chunk = tile_bytes * W.tiles < tn.guided_from_bytes ? 0
+                                                            : -(int)((tn.guided_min_bytes + tile_bytes - 1) / tile_bytes);
     }
     for_range(pool, W.tiles, chunk, [&](int b, int e, int) { fn(W, A, y, ldy, b, e); });
     return MM_OK;

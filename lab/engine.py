@@ -103,6 +103,8 @@ class Engine:
         self.file = Path(model_file)
         if not self.file.exists():
             raise EngineError(f"no weights file at {self.file}: export one with lab.models.export")
+        from . import tune
+        tune.ensure()                       # first use: measures the kernels' choices unless cached
         self._m = ns.Model()
         if not self._m.load(str(self.file), int(max_context), bool(in_memory)):
             raise EngineError(str(self._m.error()))

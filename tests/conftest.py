@@ -1,7 +1,13 @@
+import os
+
 import numpy as np
 import pytest
 
 from lab import native
+
+# The kernels keep their default tuning in tests, and no test spends a minute measuring it
+# (tests/test_tune.py sets it back where it tests tuning).
+os.environ["LAB_TUNE"] = "0"
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,66 @@
+// tune.cpp — the engine's speed-only choices (Tuning, lab.h) in force, and the timing
+// lab/tune.py chooses them by.
+#include <cstring>
+
+#include "clock.h"
+#include "formats.h"
+#include "threadpool.h"
+
+#ifndef LAB_PREFETCH
+#define LAB_PREFETCH 8192       // a build flag for sweeps (lab/native.py)
+#endif
+
+namespace lab {
+
+Tuning default_tuning() {
+    Tuning t;
+    t.prefetch_k1 = LAB_PREFETCH;
+    // the two machines measured: Intel's 4-bit matrices gained from it at k = 2, AMD's lost
+    // (docs/tuning.md); `lab tune` measures it on any other
+    t.q4_k2_single = std::strcmp(cpu_info().vendor, "GenuineIntel") == 0;
+    return t;
+}
+
+static Tuning& in_force() {
+    static Tuning t = default_tuning();
+    return t;
+}
+
+Tuning tuning() { return in_force(); }
+
+int set_tuning(const Tuning& t) {
+    constexpr int FAR = 1 << 20;       // past any stream a prefetch could still serve
+    const bool ok = t.prefetch_k1 >= 0 && t.prefetch_k1 <= FAR && t.prefetch_l1_k >= 0 &&
+                    t.prefetch_l1_k <= FAR && t.prefetch_l2_k >= 0 && t.prefetch_l2_k <= FAR &&
+                    t.guided_min_bytes > 0 && t.guided_from_bytes >= 0;
+    if (!ok) return 1;
+    in_force() = t;
+    return 0;
+}
+
+int bench_matmul_slices(const PackedMat& W, int slice_tiles, const QActs& A, float* y, int path,
+                        ThreadPool* pool, int chunk, int reps, double* secs) {
+    if (slice_tiles < 1 || slice_tiles > W.tiles || W.rows != W.tiles * TILE) return MM_SHAPE;
+    const int64_t nb = W.cols / QK, tile_q = nb * (W.fmt == FMT_Q4 ? 4 : 8) * 64;
+    const int slices = W.tiles / slice_tiles;
+    PinScope pin(pool);
+    auto walk = [&] {
+        int rc = MM_OK;
+        for (int s = 0; s < slices && rc == MM_OK; s++) {
+            const int64_t t0 = (int64_t)s * slice_tiles;
+            const PackedMat part{W.fmt, slice_tiles * TILE, W.cols, slice_tiles, W.d + t0 * nb * TILE,
+                                 W.q + t0 * tile_q};
+            rc = matmul(part, A, y, part.rows, path, pool, chunk);
+        }
+        return rc;
+    };
+    int rc = MM_OK;
+    for (int r = 0; rc == MM_OK && r < reps; r++) {
+        const double t0 = now();
+        rc = walk();
+        secs[r] = now() - t0;
+    }
+    return rc;
+}
+
+}  // namespace lab

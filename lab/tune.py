@@ -1,0 +1,340 @@
+"""Tuning by measurement: the engine's speed-only choices, timed on this machine.
+
+The choices (the C++ `Tuning`, kernels_cpp/lab.h): the AVX-512 kernel's prefetch distances for
+one token and for k >= 2, whether 4-bit matrices at k = 2 take the single-token scheme, and the
+matrix size from which the matmul split turns from static halves to guided shares. None of them
+changes a result (tests/test_tune.py checks every candidate bit for bit); the choices that change
+arithmetic order stay fixed per kernel path.
+
+`tune()` times each candidate against the default with the real kernels on a working set past the
+last-level cache, candidates interleaved round by round, and keeps the default unless a candidate
+is faster by MARGIN in the median paired ratio. The result is cached as JSON beside the native
+builds, keyed by CPU model, kernel path and the build's sources (`native.build_key`). Loading the
+library applies a valid cache and never measures; the first Engine measures when nothing valid is
+cached (`ensure`), `lab tune` measures again; LAB_TUNE=0 keeps the defaults.
+"""
+from __future__ import annotations
+
+import datetime
+import fcntl
+import hashlib
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from . import kernels, native
+from .bench import _matmul_samples, interleave, summary
+
+FIELDS = ("prefetch_k1", "prefetch_l1_k", "prefetch_l2_k", "q4_k2_single", "guided_min_bytes",
+          "guided_from_bytes")
+MB = 1 << 20
+# What the tuner tries besides the default (which it always tries).
+PREFETCH_K1 = (2048, 4096, 8192, 16384)
+PREFETCH_K = ((2048, 8192), (2048, 16384), (4096, 16384), (4096, 32768), (8192, 32768))
+GUIDED_FROM = (1 * MB, 2 * MB, 4 * MB, 8 * MB, 16 * MB)
+SPLIT_SIZES = (1 * MB, 2 * MB, 4 * MB, 8 * MB)   # the matrix sizes the split threshold is judged on
+MARGIN = 0.98           # a candidate replaces the default at a median paired time ratio this low,
+                        # and only if it was faster in three rounds of four (upper quartile < 1)
+CACHE_FORMAT = 1
+COLS = 2048             # the tuner's matrices: about a Qwen hidden size, so tiles are model-sized
+
+_state: dict = {"source": "default", "file": None, "tried": False}
+_noted: set[str] = set()
+
+
+# ----------------------------------------------------------------------------
+# The values in force
+# ----------------------------------------------------------------------------
+
+def _as_dict(t) -> dict:
+    return {f: bool(getattr(t, f)) if f == "q4_k2_single" else int(getattr(t, f)) for f in FIELDS}
+
+
+def defaults() -> dict:
+    """The engine's defaults on this CPU (docs/tuning.md has the measurements behind them)."""
+    return _as_dict(native.lib().default_tuning())
+
+
+def current() -> dict:
+    """The values the kernels use now."""
+    return _as_dict(native.lib().tuning())
+
+
+def apply(values: dict, ns=None) -> None:
+    """Sets the kernels' values (fields left out keep their defaults); call between kernel calls."""
+    ns = ns or native.lib()
+    unknown = set(values) - set(FIELDS)
+    if unknown:
+        raise ValueError(f"unknown tuning fields {sorted(unknown)}; the fields are {', '.join(FIELDS)}")
+    t = ns.default_tuning()
+    for f, v in values.items():
+        setattr(t, f, v)
+    if ns.set_tuning(t):
+        raise ValueError(f"tuning values out of range: {values}")
+
+
+def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
+    """Per stage, each candidate's label -> the fields it sets; every value the tuner can pick."""
+    base = base or defaults()
+    k1 = sorted({*PREFETCH_K1, base["prefetch_k1"]})
+    pairs = sorted({*PREFETCH_K, (base["prefetch_l1_k"], base["prefetch_l2_k"])})
+    froms = sorted({*GUIDED_FROM, base["guided_from_bytes"]})
+    return {
+        "prefetch_k1": {str(v): {"prefetch_k1": v} for v in k1},
+        "prefetch_k": {f"{a}/{b}": {"prefetch_l1_k": a, "prefetch_l2_k": b} for a, b in pairs},
+        "q4_k2_single": {str(v).lower(): {"q4_k2_single": v} for v in (False, True)},
+        "guided_from_bytes": {str(v): {"guided_from_bytes": v} for v in froms},
+    }
+
+
+# ----------------------------------------------------------------------------
+# The cache
+# ----------------------------------------------------------------------------
+
+def key(ns=None) -> dict:
+    """What a cached tuning is valid for: this CPU model, kernel path and build of the sources."""
+    ns = ns or native.lib()
+    brand = bytes(ns.cpu_info().brand).split(b"\0")[0].decode(errors="replace").strip()
+    return {"cpu": brand, "path": str(ns.path_name(ns.active_path())), "sources": native.build_key()}
+
+
+def cache_file(k: dict) -> Path:
+    cpu = hashlib.sha256(k["cpu"].encode()).hexdigest()[:8]
+    return native.cache_dir() / "native" / f"tuning-{k['path']}-{cpu}.json"
+
+
+def _note(text: str) -> None:
+    if text not in _noted:
+        _noted.add(text)
+        print(f"lab: note: {text}", file=sys.stderr)
+
+
+_WHAT = {"cpu": "another CPU", "path": "another kernel path", "sources": "another build of kernels_cpp/",
+         "format": "another version of the lab"}
+
+
+def load(ns=None) -> dict | None:
+    """The cached tuning for this CPU, path and build, or None; one that is stale or foreign is
+    ignored with a one-line note on stderr."""
+    k = key(ns)
+    f = cache_file(k)
+    try:
+        rec = json.loads(f.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        _note(f"ignoring the kernel tuning in {f}: unreadable ({type(e).__name__}); `lab tune` measures again")
+        return None
+    differs = [name for name in ("cpu", "path", "sources") if rec.get(name) != k[name]]
+    if rec.get("format") != CACHE_FORMAT or set(rec.get("values", {})) != set(FIELDS):
+        differs.append("format")
+    if differs:
+        _note(f"ignoring the kernel tuning in {f}: measured for {', '.join(_WHAT[d] for d in differs)}; "
+              f"defaults until it is measured again (`lab tune`)")
+        return None
+    return rec
+
+
+def save(rec: dict) -> Path:
+    """Writes a tune() result as this machine's cache (never a half-written file)."""
+    f = cache_file(rec)
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(rec, indent=2))
+    os.replace(tmp, f)
+    return f
+
+
+def use(rec: dict, ns=None) -> None:
+    """Puts a tuning (a tune() result or a loaded cache) in force and records where it came from."""
+    apply(rec["values"], ns)
+    _state.update(source=f"tuned at {rec['date']}", file=str(cache_file(rec)))
+
+
+def skipped() -> bool:
+    return os.environ.get("LAB_TUNE", "").strip() == "0"
+
+
+def on_load(ns) -> None:
+    """native.lib() calls this once: the cached tuning goes in force; nothing is measured."""
+    if skipped():
+        _state.update(source="LAB_TUNE=0", file=None)
+        return
+    rec = load(ns)
+    if rec:
+        use(rec, ns)
+
+
+def ensure(progress: bool = True) -> None:
+    """The engine's first use in a process: measures and caches when nothing valid is cached."""
+    native.lib()
+    if skipped() or _state["source"] != "default" or _state["tried"]:
+        return
+    _state["tried"] = True
+    lock = native.cache_dir() / "native" / "tuning.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock, "w") as fd:                 # another process tuning now: wait for its result
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        rec = load()
+        if rec is None:
+            print("lab: tuning the kernels to this CPU, once per build (`lab tune` redoes it, "
+                  "LAB_TUNE=0 skips it)", file=sys.stderr)
+            rec = tune(progress=progress)
+            save(rec)
+    use(rec)
+
+
+def describe() -> dict:
+    """The values in force, the defaults, and where the values came from."""
+    return {"source": _state["source"], "file": _state["file"], "values": current(), "defaults": defaults()}
+
+
+def lines(d: dict | None = None) -> list[str]:
+    """describe() for people: one line per field, the default beside a tuned value."""
+    d = d or describe()
+    out = [f"tuning        {d['source']}" + (f" ({d['file']})" if d["file"] else "")]
+    for f in FIELDS:
+        v, dv = d["values"][f], d["defaults"][f]
+        out.append(f"  {f:22s}{v}" + ("" if v == dv else f" (default {dv})"))
+    return out
+
+
+# ----------------------------------------------------------------------------
+# Measuring
+# ----------------------------------------------------------------------------
+
+class _Bench:
+    """The tuner's working set: a 4-bit and an 8-bit matrix of `mb` MB each, activations for
+    the k it times, and a pool of every CPU this process may use."""
+
+    def __init__(self, mb: int, reps: int, threads: int | None):
+        ns = native.lib()
+        self.path = int(ns.active_path())
+        self.path_name = str(ns.path_name(self.path))
+        self.pool = kernels.Pool(threads)
+        self.reps = reps
+        self.guided = int(ns.SPLIT_GUIDED)
+        self.W, self.acts = {}, {}
+        rng = np.random.default_rng(0)
+        for fmt in ("q4", "q8"):
+            row = int(ns.packed_nbytes(native.consts().formats[fmt], 16, COLS)) // 16
+            rows = max(16, (mb * MB // row) // 16 * 16)
+            self.W[fmt] = kernels.pack(kernels.random_qtensor(fmt, rows, COLS, seed=rows))
+        for k in (1, 2, 4):
+            x = rng.standard_normal((k, COLS), dtype=np.float32)
+            self.acts[k] = kernels.Acts(x, self.path_name)
+
+    def matmul(self, fmt: str, k: int) -> list[float]:
+        """Seconds per pass over the whole matrix, split the engine's way."""
+        return _matmul_samples(self.W[fmt], self.acts[k], self.pool, self.path, self.guided, self.reps)
+
+    def both(self, k: int) -> list[float]:
+        return [a + b for a, b in zip(self.matmul("q4", k), self.matmul("q8", k))]
+
+    def slices(self, size: int, chunk: int) -> list[float]:
+        """Seconds per walk over the 4-bit matrix in calls on consecutive slices of `size` bytes
+        (as a model's layers call it), each slice split by `chunk`."""
+        ns = native.lib()
+        W = self.W["q4"]
+        tile = int(ns.packed_nbytes(native.consts().formats["q4"], 16, COLS))
+        per = int(min(max(1, round(size / tile)), W.rows // 16))
+        y = np.empty((1, per * 16), np.float32)
+        secs = np.zeros(self.reps)
+        rc = ns.bench_matmul_slices(W.view(), per, self.acts[1]._acts, y, self.path, self.pool._pool, chunk,
+                                    self.reps, secs)
+        if rc:
+            raise RuntimeError(f"bench_matmul_slices failed with code {rc}")
+        return list(secs)
+
+
+def _per_round(cands: dict[str, Callable[[], list[float]]], rounds: int, bar) -> dict[str, list[float]]:
+    """Each candidate's median seconds per round, candidates interleaved within each round."""
+    out: dict[str, list[float]] = {name: [] for name in cands}
+    for _ in range(rounds):
+        for name, secs in interleave(cands, 1).items():
+            out[name].append(float(np.median(secs[0])))
+        bar.update()
+    return out
+
+
+def _pick(times: dict[str, list[float]], default: str) -> tuple[str, dict]:
+    """The fastest candidate if it clearly beats the default (MARGIN), else the default; and each
+    candidate's median and IQR of per-round time ratios to the default."""
+    ratios = {name: summary([a / b for a, b in zip(t, times[default])]) for name, t in times.items()}
+    best = min(ratios, key=lambda n: ratios[n]["median"])
+    clear = ratios[best]["median"] <= MARGIN and ratios[best]["q3"] < 1
+    chosen = best if clear else default
+    return chosen, {n: {"ratio": r["median"], "iqr": r["iqr"]} for n, r in ratios.items()}
+
+
+def _label(cands: dict[str, dict], values: dict) -> str:
+    return next(name for name, sets in cands.items() if all(values[f] == v for f, v in sets.items()))
+
+
+def _stage_samplers(b: _Bench) -> dict[str, Callable[[], list[float]]]:
+    """What each prefetch stage times: the kernels whose speed its values move."""
+    return {"prefetch_k1": lambda: b.both(1), "prefetch_k": lambda: b.both(4),
+            "q4_k2_single": lambda: b.matmul("q4", 2)}
+
+
+def _split_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
+    """Each threshold's seconds per round over walks of every SPLIT_SIZES slice size, from static
+    and guided walks of each size timed once a round."""
+    def walk(size, static):
+        def run():
+            apply({**base, "guided_from_bytes": 0})     # guided whatever the size
+            return b.slices(size, 0 if static else b.guided)
+        return run
+    walks = {(s, st): walk(s, st) for s in SPLIT_SIZES for st in (True, False)}
+    got = _per_round({f"{s}/{st}": fn for (s, st), fn in walks.items()}, rounds, bar)
+    return {name: [sum(got[f"{s}/{s < sets['guided_from_bytes']}"][r] for s in SPLIT_SIZES)
+                   for r in range(rounds)]
+            for name, sets in cands.items()}
+
+
+def _times(stage: str, cands: dict[str, dict], b: _Bench, base: dict, rounds: int, bar) -> dict[str, list[float]]:
+    if stage == "guided_from_bytes":
+        return _split_times(b, base, cands, rounds, bar)
+    sample = _stage_samplers(b)[stage]
+    fns = {n: (lambda sets=sets: (apply({**base, **sets}), sample())[1]) for n, sets in cands.items()}
+    return _per_round(fns, rounds, bar)
+
+
+def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
+         threads: int | None = None) -> dict:
+    """Measures every stage's candidates on this machine and returns the values chosen, with each
+    candidate's median time ratio to the default; the values in force are left as they were.
+    A candidate that wins is timed against the default once more, alone, and kept only if it
+    wins again. mb: each matrix's size (past the last-level cache: the weights stream from memory)."""
+    from tqdm import tqdm
+    before = current()                          # builds the library first, if it must
+    start = time.perf_counter()
+    b = _Bench(mb, reps, threads)
+    base, stages = defaults(), candidates()
+    prefetching, split = b.path_name == "avx512vnni", b.pool.threads > 1   # what this path and pool can move
+    run = [s for s in stages if (split if s == "guided_from_bytes" else prefetching)]
+    measured, chosen, confirmed = {}, {}, {}
+    try:
+        with tqdm(total=rounds * len(run), desc="lab tune", unit="round", disable=not progress,
+                  file=sys.stderr) as bar:
+            for stage in run:
+                cands, default = stages[stage], _label(stages[stage], base)
+                chosen[stage], measured[stage] = _pick(_times(stage, cands, b, base, rounds, bar), default)
+                if chosen[stage] != default:
+                    bar.total += rounds
+                    pair = {n: cands[n] for n in (default, chosen[stage])}
+                    again, ratios = _pick(_times(stage, pair, b, base, rounds, bar), default)
+                    confirmed[stage] = {"candidate": chosen[stage], **ratios[chosen[stage]]}
+                    chosen[stage] = again
+                base.update(cands[chosen[stage]])
+    finally:
+        apply(before)
+    return {"format": CACHE_FORMAT, **key(), "date": datetime.datetime.now().isoformat(timespec="minutes"),
+            "seconds": round(time.perf_counter() - start, 1), "values": base, "defaults": defaults(),
+            "chosen": chosen, "measured": measured, "confirmed": confirmed, "mb": mb, "rounds": rounds,
+            "threads": b.pool.threads}

@@ -1,0 +1,170 @@
+"""Tuning by measurement: whatever the tuner picks, every kernel gives the defaults' bits; the
+cache round-trips, keyed by CPU, path and sources; a stale or foreign cache is ignored with a
+note; LAB_TUNE=0 keeps the defaults; tune() finishes and picks from its candidates."""
+import json
+
+import numpy as np
+import pytest
+
+from lab import cli, kernels, native, tune
+
+from .conftest import simd_paths
+
+
+def bits(a):
+    return np.ascontiguousarray(a).view(np.uint32)
+
+
+@pytest.fixture
+def restore():
+    """Puts back the values and the record of where they came from after a test."""
+    before, state = tune.current(), dict(tune._state)
+    yield
+    tune.apply(before)
+    tune._state.update(state)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAB_CACHE", str(tmp_path))
+    monkeypatch.delenv("LAB_TUNE", raising=False)
+    tune._noted.clear()
+    return tmp_path
+
+
+def every_choice():
+    """Each value the tuner can pick, one stage at a time, and every stage's extreme at once."""
+    stages = tune.candidates()
+    out = [sets for cands in stages.values() for sets in cands.values()]
+    for pick in (min, max):
+        combo = {}
+        for cands in stages.values():
+            combo.update(cands[pick(cands, key=lambda n: tuple(cands[n].values()))])
+        out.append(combo)
+    return out
+
+
+@pytest.mark.parametrize("path", simd_paths())
+@pytest.mark.parametrize("fmt", ["q4", "q8"])
+def test_every_choice_keeps_every_bit(fmt, path, restore):
+    rng = np.random.default_rng(7)
+    # 2-4 MB: the split thresholds among the candidates put it in static halves or guided shares
+    W = kernels.pack(kernels.quantize((rng.standard_normal((3600, 1024)) * 0.1).astype(np.float32), fmt))
+    x = (rng.standard_normal((16, 1024)) * 3).astype(np.float32)
+    pool = kernels.Pool(min(2, len(__import__("os").sched_getaffinity(0))))
+    tune.apply(tune.defaults())
+    want = [kernels.matmul(W, x[:k], path=path, pool=pool, chunk="guided") for k in range(1, 17)]
+    for sets in every_choice():
+        tune.apply({**tune.defaults(), **sets})
+        for k in range(1, 17):
+            got = kernels.matmul(W, x[:k], path=path, pool=pool, chunk="guided")
+            assert np.array_equal(bits(got), bits(want[k - 1])), (sets, k)
+
+
+def test_out_of_range_values_are_refused(restore):
+    with pytest.raises(ValueError, match="out of range"):
+        tune.apply({"prefetch_k1": -64})
+    with pytest.raises(ValueError, match="unknown"):
+        tune.apply({"prefetch": 4096})
+    assert tune.current() == tune.defaults()
+
+
+def record(**over):
+    values = {**tune.defaults(), "prefetch_k1": 4096, "guided_from_bytes": 2 << 20}
+    return {"format": tune.CACHE_FORMAT, **tune.key(), "date": "2026-12-01T07:00", "values": values, **over}
+
+
+def test_cache_round_trip(cache, restore):
+    rec = record()
+    f = tune.save(rec)
+    assert f.parent == cache / "native" and json.loads(f.read_text()) == rec
+    assert tune.load() == rec
+    tune.on_load(native.lib())
+    assert tune.current() == rec["values"]
+    d = tune.describe()
+    assert d["source"] == "tuned at 2026-12-01T07:00" and d["file"] == str(f)
+    assert any("prefetch_k1" in ln and "(default" in ln for ln in tune.lines(d))
+
+
+@pytest.mark.parametrize("field, value, says", [("cpu", "Another CPU(R)", "another CPU"),
+                                                ("path", "no-such-path", "another kernel path"),
+                                                ("sources", "0" * 20, "another build"),
+                                                ("format", 0, "another version")])
+def test_stale_or_foreign_cache_is_ignored_with_a_note(cache, restore, capsys, field, value, says):
+    rec = record(**{field: value})
+    tune.cache_file(tune.key()).parent.mkdir(parents=True)
+    tune.cache_file(tune.key()).write_text(json.dumps(rec))
+    tune.apply(tune.defaults())
+    assert tune.load() is None
+    tune.on_load(native.lib())
+    assert tune.current() == tune.defaults()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ignoring" in err[0] and says in err[0]
+
+
+def test_unreadable_cache_is_ignored_with_a_note(cache, capsys):
+    f = tune.cache_file(tune.key())
+    f.parent.mkdir(parents=True)
+    f.write_text("{not json")
+    assert tune.load() is None
+    assert "unreadable" in capsys.readouterr().err
+
+
+def test_lab_tune_0_keeps_the_defaults_and_never_measures(cache, restore, monkeypatch):
+    tune.save(record())
+    monkeypatch.setenv("LAB_TUNE", "0")
+    tune.apply(tune.defaults())
+    tune.on_load(native.lib())
+    assert tune.current() == tune.defaults() and tune.describe()["source"] == "LAB_TUNE=0"
+    monkeypatch.setattr(tune, "tune", lambda **kw: pytest.fail("measured under LAB_TUNE=0"))
+    tune.ensure()
+    assert tune.current() == tune.defaults()
+
+
+def test_first_use_measures_once_and_caches(cache, restore, monkeypatch):
+    calls = []
+    monkeypatch.setattr(tune, "tune", lambda **kw: calls.append(kw) or record())
+    tune._state.update(source="default", file=None, tried=False)
+    tune.ensure(progress=False)
+    tune.ensure(progress=False)
+    assert len(calls) == 1 and tune.current() == record()["values"]
+    assert tune.load() == record()
+
+
+def test_info_shows_the_values_and_their_source(capsys):
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "tuning" in out and all(f in out for f in tune.FIELDS)
+
+
+@pytest.mark.slow
+def test_tune_on_a_small_working_set_picks_from_the_candidates(restore):
+    before = tune.current()
+    r = tune.tune(progress=False, mb=8, rounds=2, reps=1)
+    assert tune.current() == before                       # measuring changes nothing in force
+    stages = tune.candidates()
+    assert set(r["chosen"]) <= set(stages)
+    for stage, label in r["chosen"].items():
+        assert label in stages[stage] and set(r["measured"][stage]) == set(stages[stage])
+        assert all(r["values"][f] == v for f, v in stages[stage][label].items())
+    assert set(r["values"]) == set(tune.FIELDS) and r["seconds"] < 60
+    assert {k: r[k] for k in ("cpu", "path", "sources")} == tune.key()
+
+
+@pytest.mark.parametrize("wins_again", [False, True])
+def test_a_winner_is_kept_only_if_it_wins_again_head_to_head(restore, monkeypatch, wins_again):
+    seen = []
+
+    def times(stage, cands, b, base, rounds, bar):     # a candidate 10% faster, then maybe not
+        default = tune._label(cands, base)
+        other = max(n for n in cands if n != default)
+        fast = stage not in seen or wins_again
+        seen.append(stage)
+        return {n: [0.9 if n == other and fast else 1.0] * rounds for n in cands}
+    monkeypatch.setattr(tune, "_times", times)
+    r = tune.tune(progress=False, mb=1, rounds=3)
+    assert set(r["confirmed"]) == set(r["chosen"])
+    for stage, label in r["chosen"].items():
+        default = tune._label(tune.candidates()[stage], tune.defaults())
+        assert r["confirmed"][stage]["candidate"] != default
+        assert label == (r["confirmed"][stage]["candidate"] if wins_again else default)
