@@ -1,10 +1,12 @@
 """The `lab` command (each command's flags: lab COMMAND --help).
 
   lab info                          this CPU, its kernel paths, and the native build
+  lab tune                          measure the kernels' speed-only choices on this CPU (cached)
   lab models list|fetch NAME...     the models the lab knows; get them into the cache
   lab models export NAME...         write the engine's file of each (--scheme; --draft-vocab N --for TARGET)
   lab models compare|ppl NAME...    the reference against transformers; perplexity per format
   lab run [NOTEBOOK...]             notebooks -> HTML reports under a profile (papermill)
+  lab results [--readme README.md]  a profile's headline figures as Markdown (into README's block)
   lab worker ADDRESS                serve a Dask scheduler as one machine (lab run --scheduler)
   lab generate PROMPT               generate text, plain or speculative (--draft MODEL, --lookup)
   lab bench bandwidth               read (and copy/triad) bandwidth against thread count
@@ -12,6 +14,7 @@
   lab bench decode                  one-token decode steps against the read ceiling (--stages)
   lab bench vk                      v(k), c and o: the costs speculation is predicted from
   lab bench speculative             speculative against plain decoding on Spec-Bench prompts
+  lab bench baseline                the lab beside llama.cpp and transformers, paired in one run
 
 Every bench takes --json. Bad input is refused before any work in one line on stderr
 (`lab: error: ...`, exit status 2; LAB_DEBUG=1 shows the traceback).
@@ -28,6 +31,7 @@ from pathlib import Path
 from . import native, profiles
 from .errors import LabError
 from .profiles import COUNT, Range
+from .results import add_results_parser
 
 
 class _Parser(argparse.ArgumentParser):
@@ -226,6 +230,8 @@ def _check_models(args) -> None:
 def cmd_info(args) -> int:
     info = native.cpu()
     info["library"] = str(native.build())
+    from . import tune
+    info["tuning"] = tune.describe()
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -235,9 +241,34 @@ def cmd_info(args) -> int:
     for op, path in info["kernels"].items():
         print(f"  {op:22s}{path}")
     print(f"library       {info['library']}")
+    for line in tune.lines(info["tuning"]):
+        print(line)
     warning = native.warn_if_slow()
     if warning:
         print(f"note          {warning}")
+    return 0
+
+
+def cmd_tune(args) -> int:
+    from . import tune
+    r = tune.tune(progress=True, mb=args.mb)
+    f = tune.save(r)
+    if tune.skipped():
+        print("lab: note: LAB_TUNE=0 is set: the kernels keep their defaults while it is", file=sys.stderr)
+    else:
+        tune.use(r)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    print(f"measured in {r['seconds']:.0f} s on {r['cpu']} ({r['path']}, {r['threads']} threads, "
+          f"{r['mb']} MB matrices); cached in {f}")
+    print(f"{'choice':18s} {'candidate':>12s} {'time/default':>13s} {'IQR':>6s}")
+    for stage, cands in r["measured"].items():
+        for name, m in cands.items():
+            mark = "  <- chosen" if name == r["chosen"][stage] else ""
+            print(f"{stage:18s} {name:>12s} {m['ratio']:13.3f} {m['iqr']:6.3f}{mark}")
+    for stage, c in r["confirmed"].items():
+        print(f"{stage:18s} {c['candidate']:>12s} {c['ratio']:13.3f} {c['iqr']:6.3f}  (timed again against the default)")
     return 0
 
 
@@ -251,7 +282,7 @@ def _print_bandwidth(r: dict) -> None:
 
 def _print_kernels(r: dict) -> None:
     print(f"path {r['path']}, read ceiling {r['read_gbps']:.1f} GB/s, "
-          f"dot peak {r['dot_peak_gmacs']:.0f} GMAC/s per thread")
+          f"dot peak {r['dot_peak_gmacs']:.0f} GMAC/s per thread ({r['dot_peak_variant']})")
     print(f"{'kernel':6s} {'set':4s} {'k':>3s} {'thr':>3s} {'ms':>9s} {'ms/tok':>9s} {'GMAC/s':>8s} "
           f"{'GB/s':>6s} {'%bw':>5s} {'%peak':>6s}")
     for x in r["results"]:
@@ -509,6 +540,39 @@ def cmd_run(args) -> int:
     return 1 if any(e["status"] != "ok" for e in entries if e["notebook"] in (args.notebooks or profiles.notebooks())) else 0
 
 
+def _print_baseline(r: dict) -> None:
+    print(f"{r['threads']} threads; llama.cpp: {r['llama_cpp'] or 'left out (' + r['llama_absent'] + ')'}")
+    print(f"{'system':10s} {'context':>7s} {'tok/s':>7s} {'GB/s':>6s} {'%ceil':>6s} {'v(2)':>5s} {'v(4)':>5s} {'v(8)':>5s}")
+    for x in r["steps"]:
+        print(f"{x['system']:10s} {x['context']:7d} {x['tokens_per_s']:7.1f} {x['gbps']:6.1f} "
+              f"{100 * x['share_of_ceiling']:6.0f} {x['v'][2]:5.2f} {x['v'][4]:5.2f} {x['v'][8]:5.2f}")
+    print(f"{'system':18s} {'setting':12s} {'n':>3s} {'tok/s':>7s} {'speedup':>8s} {'vs llama.cpp':>12s} {'equal':>5s}")
+    for x in r["generation"]["summary"]:
+        if x["group"] == "overall":
+            print(f"{x['system']:18s} {x['setting']:12s} {x['n']:3d} {x['tokens_per_s']:7.1f} {x['speedup']:8.2f} "
+                  f"{x['vs_reference']:12.2f} {str(x['all_equal']):>5s}")
+
+
+def cmd_bench_baseline(args) -> int:
+    from .baselines import llamacpp, study, systems
+    from .bench import commit, machine
+    from .vocab import default_n
+    _check_vocab(args.model, args.draft)
+    _check_schemes(("--scheme", args.scheme))
+    if set(args.hf_dtype) - {"fp32", "bf16"}:
+        raise LabError(f"--hf-dtype {','.join(args.hf_dtype)}: transformers runs in fp32 or bf16")
+    n = default_n(args.draft) if args.draft_vocab is None else args.draft_vocab
+    s = systems.setup(args.model, args.draft, args.scheme, n, args.threads)
+    steps = study.steps(s.target, s.llama, args.context, range(1, (args.max_k or profiles.max_k()) + 1), args.rounds)
+    chosen = systems.chosen(s, args.model, args.draft, args.max_new_tokens, args.llama_gamma, args.lookup_gamma,
+                            args.hf_dtype if args.hf_prompts else [], args.hf_prompts)
+    gen = study.generation(chosen, study.prompts_for(args.model, args.per_group))
+    r = {"machine": machine(), "commit": commit(), "target": args.model, "draft": args.draft, "draft_vocab": n,
+         "threads": s.pool.threads, "llama_cpp": s.llama and llamacpp.version(), "llama_absent": s.absent,
+         "max_new_tokens": args.max_new_tokens, "hf_prompts": args.hf_prompts, "steps": steps, "generation": gen}
+    return _emit(args, r, _print_baseline)
+
+
 def cmd_worker(args) -> int:
     from . import cluster
     return cluster.serve(args.address, args.name)
@@ -606,13 +670,46 @@ def _add_speculative(benches) -> None:
     p.add_argument("--calibrate", action="store_true", help="fit the policy's calibration again")
 
 
+def _add_baseline(benches) -> None:
+    p = _bench_command(benches, "baseline", "the lab beside llama.cpp and transformers: decode, v(k), and plain "
+                       "and speculative generation on Spec-Bench prompts, paired in one run", cmd_bench_baseline)
+    _target_flags(p)
+    p.add_argument("--draft", default=DRAFT, help="the draft model for every system (default %(default)s)")
+    p.add_argument("--draft-vocab", type=_DRAFT_VOCAB, default=None,
+                   help="the lab's draft trimmed to N tokens (default: lab.vocab.DEFAULT_N; 0: stock)")
+    p.add_argument("--context", type=_list(_COUNT), default=[256, 2048], metavar="N,...",
+                   help="contexts of the decode and v(k) passes (default 256,2048)")
+    p.add_argument("--max-k", type=_GAMMA, metavar="K", help="v(k) for k = 1..K (default: the engine's MAX_K)")
+    p.add_argument("--per-group", type=_COUNT, default=2, help="prompts per Spec-Bench group (default 2)")
+    p.add_argument("--max-new-tokens", type=_COUNT, default=64)
+    p.add_argument("--llama-gamma", type=_list(_GAMMA), default=[2, 4], metavar="G,...",
+                   help="llama.cpp's draft/verify rounds of G guesses (default 2,4)")
+    p.add_argument("--lookup-gamma", type=_list(_GAMMA), default=[4], metavar="G,...",
+                   help="llama.cpp's prompt lookup rounds (default 4)")
+    p.add_argument("--hf-dtype", type=_list(str), default=["fp32", "bf16"], metavar="DTYPE,...",
+                   help="transformers' dtypes: fp32, bf16 (default both)")
+    p.add_argument("--hf-prompts", type=_number(int, Range(0)), default=3, metavar="N",
+                   help="transformers runs on the first N prompts only (default 3; 0: not at all)")
+
+
+def _add_tune(sub) -> None:
+    t = sub.add_parser("tune", help="measure the kernels' speed-only choices on this CPU and cache them",
+                       description="Times each candidate prefetch distance, two-token scheme and split threshold "
+                                   "against the default (interleaved) and caches the choices beside the native "
+                                   "build; the engine applies them on load (LAB_TUNE=0: the defaults).")
+    t.add_argument("--json", action="store_true", help="print machine-readable results")
+    t.add_argument("--mb", type=_COUNT, default=256, metavar="N",
+                   help="each matrix's size in MB, past the last-level cache (default 256)")
+    t.set_defaults(fn=cmd_tune)
+
+
 def _add_bench(sub) -> None:
     """`lab bench NAME`: another bench is a cmd_bench_NAME, an _add_NAME and its entry below."""
-    b = sub.add_parser("bench", help="measurements: bandwidth, kernels, decode, vk, speculative",
+    b = sub.add_parser("bench", help="measurements: bandwidth, kernels, decode, vk, speculative, baseline",
                        description="Measurements; each bench has its own flags (lab bench NAME --help).")
     # no dest: a missing bench is then reported by the list of benches, in argparse's one line
     benches = b.add_subparsers(title="benches", required=True)
-    for add in (_add_bandwidth, _add_kernels, _add_decode, _add_vk, _add_speculative):
+    for add in (_add_bandwidth, _add_kernels, _add_decode, _add_vk, _add_speculative, _add_baseline):
         add(benches)
 
 
@@ -626,6 +723,7 @@ def parser() -> argparse.ArgumentParser:
     info = sub.add_parser("info", help="this CPU, its kernel paths and the native build")
     info.add_argument("--json", action="store_true")
     info.set_defaults(fn=cmd_info)
+    _add_tune(sub)
 
     r = sub.add_parser("run", help="execute notebooks with papermill into HTML reports and an index")
     r.add_argument("notebooks", nargs="*", help="notebook names (default: all)")
@@ -682,6 +780,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.set_defaults(fn=cmd_generate)
 
+    add_results_parser(sub)
     _add_bench(sub)
     return p
 

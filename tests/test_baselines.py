@@ -45,8 +45,9 @@ def test_an_exact_system_that_differs_from_its_plain_run_raises_and_another_is_r
         study.generation([study.System("lab", bad)], PROMPTS[:1], progress=False)
     res = study.generation([study.System("transformers bf16", bad, exact=False)], PROMPTS[:1], progress=False)
     spec = [r for r in res["rows"] if r["setting"] == "spec"]
-    assert spec[0]["equal_to_plain"] is False
-    assert next(r for r in res["summary"] if r["setting"] == "spec")["all_equal"] is False
+    assert spec[0]["equal_to_plain"] is False and spec[0]["same_prefix"] == 2
+    summary = next(r for r in res["summary"] if r["setting"] == "spec")
+    assert summary["all_equal"] is False and summary["equal_share"] == 0
 
 
 def test_a_slow_system_runs_on_its_first_prompts_only_and_they_span_the_groups():
@@ -54,8 +55,11 @@ def test_a_slow_system_runs_on_its_first_prompts_only_and_they_span_the_groups()
     slow = study.System("slow", {"plain": fixed([1], 1, log, "slow")}, prompts=2)
     ordered = study.round_robin([p for p, _ in PROMPTS])
     assert [p["group"] for p in ordered] == ["qa", "rag", "math", "qa"]
+    released = []
+    slow.release = lambda: released.append(len(log))
     study.generation([slow], [(p, [1]) for p in ordered], progress=False)
     assert log == ["slow"] * 4
+    assert released == [4]                 # once, right after its last prompt
 
 
 def test_summary_and_best_setting_per_group():
@@ -97,3 +101,28 @@ def test_steps_pair_each_system_with_its_own_one_token_pass():
     lab = recs[0]
     assert lab["v"][1] == pytest.approx(1) and lab["bytes_per_token"] == e.weight_bytes
     assert 0 < lab["share_of_ceiling"] and lab["read_gbps"] > 0
+
+
+@pytest.mark.slow
+def test_lab_bench_baseline_runs_every_system_on_tiny_models(tmp_path):
+    """The CLI end to end: steps for each system, every system's settings on each prompt,
+    llama.cpp left out with its reason where llama-cpp-python is absent."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from lab.baselines import llamacpp
+    env = dict(os.environ, LAB_MODELS=str(tmp_path / "m"))
+    out = subprocess.run([sys.executable, "-m", "lab.cli", "bench", "baseline", "--json", "--model", "tiny-qwen2",
+                          "--draft", "tiny-qwen2-draft", "--draft-vocab", "0", "--context", "32", "--max-k", "4",
+                          "--rounds", "1", "--per-group", "1", "--max-new-tokens", "8", "--hf-prompts", "1",
+                          "--hf-dtype", "fp32"], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    r = json.loads(out.stdout)
+    systems = {x["system"] for x in r["generation"]["summary"]}
+    assert {"lab", "transformers fp32"} <= systems
+    assert ("llama.cpp" in systems) == (llamacpp.available() is None)
+    assert r["llama_absent"] == llamacpp.available()
+    assert [x["context"] for x in r["steps"]] == [32] * len(r["steps"]) and set(r["steps"][0]["v"]) == {"1", "2", "3", "4"}
+    hf_rows = [x for x in r["generation"]["rows"] if x["system"] == "transformers fp32"]
+    assert {x["id"] for x in hf_rows} == {r["generation"]["rows"][0]["id"]}      # the first prompt only

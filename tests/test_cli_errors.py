@@ -184,7 +184,7 @@ def test_a_bad_prompts_file_fails_before_the_models_load(capsys, tmp_path, monke
 # lab bench: one parser per bench, each with only its own flags
 # ----------------------------------------------------------------------------
 
-BENCHES = ["bandwidth", "kernels", "decode", "vk", "speculative"]
+BENCHES = ["bandwidth", "kernels", "decode", "vk", "speculative", "baseline"]
 
 
 def test_bench_alone_names_the_benches_in_one_line(capsys):
@@ -252,3 +252,9 @@ def test_each_bench_runs_its_own_command():
     assert (args.context, args.threads) == (512, 1)
     args = p.parse_args(["bench", "bandwidth", "--threads", "1,1"])      # a list, on a one-CPU machine too
     assert args.threads == [1, 1] and args.mb == 512
+
+
+def test_baseline_refuses_a_dtype_transformers_is_not_run_in(capsys):
+    msg = _fails(capsys, ["bench", "baseline", "--model", "tiny-qwen2", "--draft", "tiny-qwen2-draft",
+                          "--hf-dtype", "fp16"], "--hf-dtype fp16")
+    assert "fp32 or bf16" in msg

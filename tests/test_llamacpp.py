@@ -8,6 +8,7 @@ import os
 import numpy as np
 import pytest
 
+from lab.baselines import llamacpp_files as files
 from lab.baselines import llamacpp as lc
 from lab.errors import LabError
 from lab.models import registry
@@ -47,7 +48,7 @@ def test_the_tiny_gguf_is_q4_0_with_a_q8_0_output(target, draft):
     import gguf
     for m, out in ((target, "output.weight"), (draft, "token_embd.weight")):    # the draft ties them
         tensors = gguf.GGUFReader(str(m.path)).tensors
-        assert lc._tensors(m.path) == [(t.name, t.tensor_type, tuple(map(int, t.shape)), t.n_bytes) for t in tensors]
+        assert files.tensors(m.path) == [(t.name, t.tensor_type, tuple(map(int, t.shape)), t.n_bytes) for t in tensors]
         types = {t.name: t.tensor_type.name for t in tensors}
         assert types[out] == "Q8_0"
         body = {n: t for n, t in types.items() if n.startswith("blk.") and n.endswith(".weight") and "norm" not in n}
@@ -65,7 +66,7 @@ def test_the_unquantized_gguf_computes_what_transformers_does(name, tmp_path):
 
     from lab.models.tiny import TINY, hf_model, tiny_weights
     c = TINY[name]
-    lc._write_tiny(name, tmp_path / "f32.gguf")
+    files.write_tiny(name, tmp_path / "f32.gguf")
     ids = PROMPT[:6]
     with lc.LlamaCpp(tmp_path / "f32.gguf", THREADS, n_ctx=64) as m:
         got = m.logits(ids)
@@ -80,7 +81,7 @@ def drafts(models, draft, tmp_path_factory):
     """Drafts that agree never (a random one), mostly (the target unquantized) and always
     (the target itself), so rounds end at the first guess, in the middle and past the last."""
     f32 = tmp_path_factory.mktemp("f32") / "tiny-qwen2-f32.gguf"
-    lc._write_tiny("tiny-qwen2", f32)
+    files.write_tiny("tiny-qwen2", f32)
     with lc.LlamaCpp(f32, THREADS, n_ctx=256) as near, lc.LlamaCpp(lc.gguf_for("tiny-qwen2"), THREADS, 256) as same:
         yield {"random": draft, "f32": near, "itself": same}
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from itertools import chain, zip_longest
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from .. import bench, energy
-from ..speculative import SpeculationMismatch, bracket, geomean
+from ..spec import geomean
+from ..speculative import SpeculationMismatch, bracket
 from . import Run
 
 
@@ -30,7 +31,7 @@ class System:
     settings: dict[str, Callable[[list[int]], Run]]
     exact: bool = True
     prompts: int | None = None          # run on only the first n prompts (slow systems)
-    notes: list[str] = field(default_factory=list)
+    release: Callable[[], None] | None = None     # frees its models once its prompts are done
 
 
 # ----------------------------------------------------------------------------
@@ -99,6 +100,14 @@ def round_robin(prompts: list[dict]) -> list[dict]:
     return [p for p in chain.from_iterable(zip_longest(*groups.values())) if p is not None]
 
 
+def prompts_for(target: str, per_group: int | None) -> list[tuple[dict, list[int]]]:
+    """The Spec-Bench dev prompts' first turns as the target's token ids, groups in turn."""
+    from .. import specbench
+    from ..speculative import Conversation
+    conv = Conversation(target)
+    return [(p, conv.ids(p["turns"][:1], [])) for p in round_robin(specbench.prompts(per_group=per_group))]
+
+
 def generation(systems: list[System], prompts: list[tuple[dict, list[int]]], reference: str = "llama.cpp",
                progress: bool = True) -> dict:
     """prompts: (Spec-Bench prompt, its token ids). Per prompt, each system runs plain, its
@@ -111,6 +120,9 @@ def generation(systems: list[System], prompts: list[tuple[dict, list[int]]], ref
     for i, (p, ids) in enumerate(prompts):
         order = systems[i % len(systems):] + systems[:i % len(systems)]
         mine = [r for s in order if s.prompts is None or i < s.prompts for r in _bracket(s, p, ids, meter)]
+        for s in systems:
+            if s.release and s.prompts == i + 1:
+                s.release()
         ref = [r for r in mine if r["system"] == reference and r["setting"] == "plain"]
         for r in mine:
             r["vs_reference"] = r["tokens_per_s"] / ref[0]["tokens_per_s"] if ref else float("nan")
@@ -127,13 +139,20 @@ def _bracket(s: System, p: dict, ids: list[int], meter) -> list[dict]:
     spec = {k: (lambda fn=fn: _measured(fn, ids, meter)) for k, fn in s.settings.items() if k != "plain"}
     ((first, e0), (last, e1)), mine, tries = bracket(plain, list(spec.values()), lambda m: m[0].tokens_per_s)
     plain_tps = (first.tokens_per_s + last.tokens_per_s) / 2
-    rows = [_row(s, p, "plain", first, plain_tps, plain_tps, _mean_energy(e0, e1), True, tries)]
+    rows = [_row(s, p, "plain", first, plain_tps, plain_tps, _mean_energy(e0, e1), True, tries)
+            | {"same_prefix": len(first.tokens)}]
     for k, (r, e) in zip(spec, mine):
-        equal = r.tokens == first.tokens
-        if s.exact and not equal:
-            raise SpeculationMismatch(f"{s.name} {k} on prompt {p['id']}: greedy output differs from its plain run")
-        rows.append(_row(s, p, k, r, r.tokens_per_s, plain_tps, e, equal, tries))
+        same = _common_prefix(r.tokens, first.tokens)
+        if s.exact and r.tokens != first.tokens:
+            raise SpeculationMismatch(f"{s.name} {k} on prompt {p['id']}: greedy output differs from its plain run "
+                                      f"at token {same}")
+        rows.append(_row(s, p, k, r, r.tokens_per_s, plain_tps, e, r.tokens == first.tokens, tries) | {"same_prefix": same})
     return rows
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two outputs share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _measured(fn, ids, meter) -> tuple[Run, float | None]:
@@ -171,6 +190,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                         "speedup": geomean(r["speedup"] for r in sel),
                         "vs_reference": geomean(r["vs_reference"] for r in sel),
                         "all_equal": all(r["equal_to_plain"] for r in sel),
+                        "equal_share": float(np.mean([r["equal_to_plain"] for r in sel])),
                         "joules_per_token": float(np.median(j)) if j else None})
     return out
 
