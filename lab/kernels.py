@@ -158,8 +158,9 @@ def pack(W: QTensor) -> Packed:
 
 def split_code(split: int | str) -> int:
     """How work on 16-row tiles is split over a pool, as the C++ takes it: 0 static halves,
-    n > 0 hands out n tiles at a time, "guided" (the engine's) shares shrinking to ~96 KB of
-    weights, and static halves for matrices under 4 MB."""
+    n > 0 hands out n tiles at a time, "guided" (the engine's) shares shrinking to the tuned
+    guided_min_bytes of weights, and static halves for matrices under guided_from_bytes
+    (lab.tune; `lab info` shows the values in force)."""
     if split == "guided":
         return int(native.lib().SPLIT_GUIDED)
     if isinstance(split, bool) or not isinstance(split, int) or split < 0:

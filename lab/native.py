@@ -67,7 +67,13 @@ def _compiler_version(cxx: str) -> str:
     return out.stdout.splitlines()[0] if out.stdout else cxx
 
 
+CHECKOUT = ("the lab runs from a checkout of its repository (make setup installs it editable); "
+            "a plain `pip install .` copies only the Python package")
+
+
 def _sources() -> list[Path]:
+    if not SOURCE_DIR.is_dir():
+        raise NativeBuildError(f"no kernels_cpp/ at {SOURCE_DIR}: {CHECKOUT}")
     files = sorted(p for p in SOURCE_DIR.iterdir() if p.suffix in (".cpp", ".h", ".inc"))
     if not any(p.suffix == ".cpp" for p in files):
         raise NativeBuildError(f"no C++ sources in {SOURCE_DIR}")

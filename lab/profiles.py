@@ -82,6 +82,9 @@ def ranges() -> dict[str, Range]:
 
 
 def notebooks() -> list[str]:
+    if not NOTEBOOKS.is_dir():
+        from .native import CHECKOUT
+        raise ProfileError(f"no notebooks/ at {NOTEBOOKS}: {CHECKOUT}")
     return sorted(p.stem for p in NOTEBOOKS.glob("*.ipynb"))
 
 

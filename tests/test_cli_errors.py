@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lab import cli
+from lab import cli, profiles
 
 TINY = ["--model", "tiny-qwen2"]
 
@@ -258,3 +258,14 @@ def test_baseline_refuses_a_dtype_transformers_is_not_run_in(capsys):
     msg = _fails(capsys, ["bench", "baseline", "--model", "tiny-qwen2", "--draft", "tiny-qwen2-draft",
                           "--hf-dtype", "fp16"], "--hf-dtype fp16")
     assert "fp32 or bf16" in msg
+
+
+def test_an_install_without_the_checkout_says_so(monkeypatch, tmp_path):
+    """A plain `pip install .` leaves kernels_cpp/ and notebooks/ behind: one line saying why."""
+    from lab import native
+    monkeypatch.setattr(native, "SOURCE_DIR", tmp_path / "kernels_cpp")
+    with pytest.raises(native.NativeBuildError, match="runs from a checkout"):
+        native.build_key("c++")
+    monkeypatch.setattr(profiles, "NOTEBOOKS", tmp_path / "notebooks")
+    with pytest.raises(profiles.ProfileError, match="runs from a checkout"):
+        profiles.notebooks()
