@@ -142,6 +142,16 @@ def _path_names(ns) -> tuple[str, ...]:
     return tuple(str(ns.path_name(i)) for i in range(int(ns.PATH_COUNT)))
 
 
+def loaded_key() -> str:
+    """The build key of the library lib() loaded (its cache folder's name), without hashing the
+    sources or asking the compiler again."""
+    lib()
+    return _LOADED["key"]
+
+
+_LOADED: dict = {}
+
+
 @functools.cache
 def lib():
     """The loaded `lab` C++ namespace (built on first use)."""
@@ -160,6 +170,7 @@ def lib():
             owner = getattr(owner, part)
         owner.__release_gil__ = True
     _check_forced_path(ns)
+    _LOADED["key"] = path.parent.name
     from . import tune
     tune.on_load(ns)                        # the cached tuning goes in force; nothing is measured
     return ns

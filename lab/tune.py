@@ -9,7 +9,7 @@ arithmetic order stay fixed per kernel path.
 `tune()` times each candidate against the default with the real kernels on a working set past the
 last-level cache, candidates interleaved round by round, and keeps the default unless a candidate
 is faster by MARGIN in the median paired ratio. The result is cached as JSON beside the native
-builds, keyed by CPU model, kernel path and the build's sources (`native.build_key`). Loading the
+builds, keyed by CPU model, kernel path and the build's sources (`native.loaded_key`). Loading the
 library applies a valid cache and never measures; the first Engine measures when nothing valid is
 cached (`ensure`), `lab tune` measures again; LAB_TUNE=0 keeps the defaults.
 """
@@ -29,6 +29,7 @@ import numpy as np
 
 from . import kernels, native
 from .bench import _matmul_samples, interleave, summary
+from .files import write_text_atomic
 
 FIELDS = ("prefetch_k1", "prefetch_l1_k", "prefetch_l2_k", "q4_k2_single", "guided_min_bytes",
           "guided_from_bytes")
@@ -100,7 +101,7 @@ def key(ns=None) -> dict:
     """What a cached tuning is valid for: this CPU model, kernel path and build of the sources."""
     ns = ns or native.lib()
     brand = bytes(ns.cpu_info().brand).split(b"\0")[0].decode(errors="replace").strip()
-    return {"cpu": brand, "path": str(ns.path_name(ns.active_path())), "sources": native.build_key()}
+    return {"cpu": brand, "path": str(ns.path_name(ns.active_path())), "sources": native.loaded_key()}
 
 
 def cache_file(k: dict) -> Path:
@@ -144,10 +145,7 @@ def save(rec: dict) -> Path:
     """Writes a tune() result as this machine's cache (never a half-written file)."""
     f = cache_file(rec)
     f.parent.mkdir(parents=True, exist_ok=True)
-    tmp = f.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(rec, indent=2))
-    os.replace(tmp, f)
-    return f
+    return write_text_atomic(f, json.dumps(rec, indent=2))
 
 
 def use(rec: dict, ns=None) -> None:
