@@ -145,7 +145,8 @@ def _path_names(ns) -> tuple[str, ...]:
 def loaded_key() -> str:
     """The build key of the library lib() loaded (its cache folder's name), without hashing the
     sources or asking the compiler again."""
-    lib()
+    if "key" not in _LOADED:                # set by lib() before it applies the tuning cache
+        lib()
     return _LOADED["key"]
 
 

@@ -168,3 +168,16 @@ def test_a_winner_is_kept_only_if_it_wins_again_head_to_head(restore, monkeypatc
         default = tune._label(tune.candidates()[stage], tune.defaults())
         assert r["confirmed"][stage]["candidate"] != default
         assert label == (r["confirmed"][stage]["candidate"] if wins_again else default)
+
+
+def test_loading_the_library_applies_the_cache_without_the_suite_s_lab_tune_0():
+    """The suite runs with LAB_TUNE=0; a process without it loads the library, reads its
+    cache key and applies any cache, measuring nothing."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "LAB_TUNE"}
+    out = subprocess.run([sys.executable, "-c", "from lab import native, tune; native.lib(); print(tune.describe()['source'])"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith(("default", "tuned at"))
