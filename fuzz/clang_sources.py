@@ -9,7 +9,8 @@ with g++):
 clang ignores `#pragma GCC target`, so the intrinsics inside would not compile. This
 writes each source to OUT_DIR with those three lines replaced by clang's equivalent
 (`#pragma clang attribute push(__attribute__((target("..."))), apply_to = function)` and
-`#pragma clang attribute pop`), one line for one line, so file names and line numbers in
+`#pragma clang attribute pop`), and `#pragma GCC unroll N` by clang's `#pragma unroll N`,
+one line for one line, so file names and line numbers in
 a sanitizer's stack trace are kernels_cpp/'s own. Any other GCC pragma is an error: the
 fuzz build would otherwise quietly differ from the real one.
 
@@ -24,6 +25,7 @@ from pathlib import Path
 TARGET = re.compile(r'^\s*#\s*pragma\s+GCC\s+target\s*\(\s*("[^"]*")\s*\)\s*$')
 PUSH = re.compile(r"^\s*#\s*pragma\s+GCC\s+push_options\s*$")
 POP = re.compile(r"^\s*#\s*pragma\s+GCC\s+pop_options\s*$")
+UNROLL = re.compile(r"^(\s*)#\s*pragma\s+GCC\s+unroll\s+(\d+)\s*$")
 OTHER = re.compile(r"^\s*#\s*pragma\s+GCC\b")
 
 
@@ -41,6 +43,8 @@ def translate(text: str, name: str) -> str:
                 sys.exit(f"{name}:{n}: pop_options without a target pragma before it")
             depth -= 1
             out.append("#pragma clang attribute pop" + end)
+        elif m := UNROLL.match(line):
+            out.append(f"{m.group(1)}#pragma unroll {m.group(2)}" + end)
         elif OTHER.match(line):
             sys.exit(f"{name}:{n}: a GCC pragma the fuzz build does not translate: {line.strip()}")
         else:
