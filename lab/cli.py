@@ -385,7 +385,7 @@ def cmd_bench_speculative(args) -> int:
     gammas = args.gamma or [4]
     pol_name = args.policy or ("fixed" if args.gamma else "auto")
     chosen = speculative.settings(args.draft, pol_name, gammas)
-    costs = policy.costs_for(target, draft)
+    costs = policy.costs_for(target, draft, fresh=args.fresh_costs)
     pol = None
     if pol_name == "auto":
         pol = policy.fitted_policy(target, draft, args.model, args.temperature, args.max_gamma, refit=args.calibrate)
@@ -668,6 +668,8 @@ def _add_speculative(benches) -> None:
     p.add_argument("--temperature", type=_TEMPERATURE, default=0.0)
     p.add_argument("--seed", type=_SEED, default=0)
     p.add_argument("--calibrate", action="store_true", help="fit the policy's calibration again")
+    p.add_argument("--fresh-costs", action="store_true",
+                   help="measure this machine's costs now, not from the cache, so predictions pair in time")
 
 
 def _add_baseline(benches) -> None:

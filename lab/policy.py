@@ -28,6 +28,9 @@ from .errors import LabError
 from .files import write_text_atomic
 
 TEMPERATURES = (0.0, 0.7, 1.0)     # the calibration's tables; a request takes the nearest
+# The contexts costs are measured at (at most the engine's COST_CONTEXTS); 1024 because long
+# prompts (summarization, RAG) verify between 1,000 and 1,500 tokens.
+CONTEXTS = (128, 512, 1024, 2048)
 
 
 class PolicyFileError(LabError):
@@ -96,7 +99,7 @@ def machine_id(threads: int) -> dict:
 
 
 def costs_path(target, draft) -> Path:
-    m = machine_id(target.pool.threads)
+    m = {**machine_id(target.pool.threads), "contexts": CONTEXTS}    # other contexts: another table
     key = hashlib.sha256(json.dumps(m, sort_keys=True).encode()).hexdigest()[:12]
     pair = f"{_content(target)[:16]}-{(_content(draft) or 'lookup')[:16]}"
     return native.cache_dir() / "costs" / f"{key}-{pair}.json"
@@ -122,7 +125,7 @@ def costs_at(target, drafts: dict, context: int, kmax: int = 9, rounds: int = 3,
     return [0.0] + [float(x) for x in v], {n: bench.paired_ratio(s[f"c:{n}"], s[1])["median"] for n in drafts}
 
 
-def measure_costs(target, draft=None, contexts=(128, 512, 2048), kmax: int = 9, rounds: int = 7, reps: int = 2,
+def measure_costs(target, draft=None, contexts=CONTEXTS, kmax: int = 9, rounds: int = 7, reps: int = 2,
                   progress: bool = True) -> Costs:
     """v(k) for k = 1..kmax (a round of kmax - 1 guesses at most) and c at each context that
     fits both caches, and o."""
@@ -152,10 +155,11 @@ def load_costs(path: Path, target, draft) -> Costs:
     return c
 
 
-def costs_for(target, draft=None, progress: bool = True) -> Costs:
-    """This machine's costs for the pair: from the cache, or measured once and cached."""
+def costs_for(target, draft=None, progress: bool = True, fresh: bool = False) -> Costs:
+    """This machine's costs for the pair: from the cache, or measured once and cached (or now,
+    when `fresh`, so a prediction pairs with a run in the same bandwidth state)."""
     path = costs_path(target, draft)
-    if path.exists():
+    if path.exists() and not fresh:
         return load_costs(path, target, draft)
     c = measure_costs(target, draft, progress=progress)
     _save(path, c)

@@ -216,6 +216,11 @@ def test_measured_costs_are_cached_per_machine_and_pair(files, pool, tmp_path, m
     c = P.costs_for(target, draft, progress=False)
     assert c.contexts and len(c.v[0]) == 10 and c.v[0][1] == 1.0 and 0 < c.c[0]
     assert P.costs_path(target, draft).exists() and P.costs_for(target, draft, progress=False) == c
+    again = c.model_copy(update={"o": c.o + 1.0})
+    monkeypatch.setattr(P, "measure_costs", lambda *a, **k: again)
+    assert P.costs_for(target, draft, progress=False) == c                  # the cache answers
+    assert P.costs_for(target, draft, progress=False, fresh=True) == again  # --fresh-costs measures
+    assert P.costs_for(target, draft, progress=False) == again              # ... and refreshes the cache
 
 
 # ----------------------------------------------------------------------------
