@@ -4,7 +4,8 @@ prompt by prompt, paired in time.
 Each prompt's turn runs plain, then every speculative setting, then plain again: a
 setting's speedup is its tokens/s over the mean of the two plain runs around it, so a
 bandwidth flip between prompts cannot fake a speedup; when the two plain runs disagree by
-more than UNSTEADY the whole bracket runs again (once) and the row says so. Multi-turn
+more than UNSTEADY the whole bracket runs again (once) and the row says so; a bracket over
+in under SHORT seconds runs REPEATS times and each rate is its median repeat. Multi-turn
 prompts run every turn, the later ones seeing the model's own earlier answers, as
 Spec-Bench does. Every greedy speculative output must equal plain: a difference raises.
 The cost model's prediction for each run comes from the rounds it actually made.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from .spec import geomean
 from .errors import LabError
 
 UNSTEADY = 0.15
+SHORT, REPEATS = 10.0, 3
 
 
 class SpeculationMismatch(LabError):
@@ -107,9 +110,9 @@ class Conversation:
         return out
 
 
-def bracket(plain, runs, rate=lambda r: r.tokens_per_s):
-    """plain, each run, plain -- and the whole bracket once more when the two plain runs'
-    rates differ by more than UNSTEADY (a bandwidth flip) -> ((first, last), results, tries)."""
+def _steady(plain, runs, rate):
+    """plain, each run, plain -- once more when the two plain runs' rates differ by more than
+    UNSTEADY (a bandwidth flip)."""
     for tries in (1, 2):
         first = plain()
         mine = [fn() for fn in runs]
@@ -117,6 +120,23 @@ def bracket(plain, runs, rate=lambda r: r.tokens_per_s):
         if abs(rate(first) / rate(last) - 1) <= UNSTEADY:
             break
     return (first, last), mine, tries
+
+
+def _middle(xs: list, key):
+    return sorted(xs, key=key)[(len(xs) - 1) // 2]
+
+
+def bracket(plain, runs, rate=lambda r: r.tokens_per_s):
+    """Each run between two plain runs; a bracket done in under SHORT seconds runs REPEATS
+    times, and each rate is then its median repeat, so one stall in a second-long run cannot
+    decide a row. -> ((first, last) plain runs, results, tries: brackets run)."""
+    t0 = time.perf_counter()
+    reps = [_steady(plain, runs, rate)]
+    if time.perf_counter() - t0 < SHORT:
+        reps += [_steady(plain, runs, rate) for _ in range(REPEATS - 1)]
+    pair = _middle([r[0] for r in reps], lambda ab: rate(ab[0]) + rate(ab[1]))
+    mine = [_middle([r[1][j] for r in reps], rate) for j in range(len(runs))]
+    return pair, mine, sum(r[2] for r in reps)
 
 
 def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], max_new_tokens: int = 128,

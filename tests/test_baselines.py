@@ -2,8 +2,15 @@
 rule, the slow systems' share of prompts; and the step timings on a tiny engine."""
 import pytest
 
+from lab import speculative
 from lab.baselines import Run, study
 from lab.speculative import SpeculationMismatch
+
+
+@pytest.fixture(autouse=True)
+def long_runs(monkeypatch):
+    """The stand-ins return at once; these tests follow brackets long enough to run once."""
+    monkeypatch.setattr(speculative, "SHORT", 0.0)
 
 
 def fixed(tokens, seconds, log=None, name=""):

@@ -251,8 +251,9 @@ class FakeRun:
 class FakeTarget:
     """Plain runs at the speeds given in turn; speculative runs at 60 tokens/s."""
 
-    def __init__(self, plain_speeds, spec_tokens=None):
+    def __init__(self, plain_speeds, spec_tokens=None, spec_speeds=None):
         self.speeds, self.spec_tokens, self.calls = list(plain_speeds), spec_tokens, []
+        self.spec_speeds = list(spec_speeds or [])
 
     def generate(self, ids, n, **kw):
         self.calls.append("plain")
@@ -260,13 +261,19 @@ class FakeTarget:
 
     def speculate(self, ids, d, **kw):
         self.calls.append("spec")
-        return FakeRun(self.spec_tokens or [1, 2, 3], 60.0)
+        return FakeRun(self.spec_tokens or [1, 2, 3], self.spec_speeds.pop(0) if self.spec_speeds else 60.0)
 
 
 PROMPT = [{"id": 1, "group": "qa", "turns": ["a question"]}]
 
 
-def test_bench_brackets_each_run_with_plain_runs():
+@pytest.fixture
+def long_runs(monkeypatch):
+    """The fakes return at once; these tests are about brackets long enough to run once."""
+    monkeypatch.setattr(S, "SHORT", 0.0)
+
+
+def test_bench_brackets_each_run_with_plain_runs(long_runs):
     t = FakeTarget([40.0, 40.0])
     res = S.run(t, {"draft": None}, PROMPT, [S.Setting("lookup", 2)], target_name="tiny-qwen2", progress=False)
     assert t.calls == ["plain", "spec", "plain"]
@@ -274,7 +281,7 @@ def test_bench_brackets_each_run_with_plain_runs():
     assert res["summary"][-1]["group"] == "overall" and res["summary"][-1]["speedup"] == pytest.approx(1.5)
 
 
-def test_a_bandwidth_flip_reruns_the_bracket():
+def test_a_bandwidth_flip_reruns_the_bracket(long_runs):
     """Plain at 46 then 72 tokens/s around the speculative run: not a pair to trust."""
     t = FakeTarget([46.0, 72.0, 50.0, 50.0])
     res = S.run(t, {"draft": None}, PROMPT, [S.Setting("lookup", 2)], target_name="tiny-qwen2", progress=False)
@@ -282,7 +289,15 @@ def test_a_bandwidth_flip_reruns_the_bracket():
     assert res["rows"][0]["tries"] == 2 and res["rows"][0]["speedup"] == pytest.approx(1.2)
 
 
-def test_bench_fails_loudly_when_speculation_differs():
+def test_a_stall_in_a_short_bracket_does_not_decide_the_row():
+    """A second-long run stalled once (20 tokens/s against 60): the median of three brackets."""
+    t = FakeTarget([40.0, 40.0, 40.0, 40.0, 30.0, 30.0], spec_speeds=[60.0, 20.0, 60.0])
+    res = S.run(t, {"draft": None}, PROMPT, [S.Setting("lookup", 2)], target_name="tiny-qwen2", progress=False)
+    assert t.calls == ["plain", "spec", "plain"] * S.REPEATS
+    assert res["rows"][0]["tries"] == 3 and res["rows"][0]["speedup"] == pytest.approx(1.5)
+
+
+def test_bench_fails_loudly_when_speculation_differs(long_runs):
     t = FakeTarget([40.0, 40.0], spec_tokens=[1, 2, 4])
     with pytest.raises(S.SpeculationMismatch, match="differs from plain at token 2"):
         S.run(t, {"draft": None}, PROMPT, [S.Setting("lookup", 2)], target_name="tiny-qwen2", progress=False)
