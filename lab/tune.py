@@ -2,7 +2,9 @@
 
 The choices (the C++ `Tuning`, kernels_cpp/lab.h): the AVX-512 kernel's prefetch distances for
 one token and for k >= 2, whether 4-bit matrices at k = 2 take the single-token scheme, and the
-matrix size from which the matmul split turns from static halves to guided shares. None of them
+matrix size from which the matmul split turns from static halves to guided shares (judged on quiet
+cores and with one core shared with a co-runner, lab.slowcore, keeping the one that holds up on
+both). None of them
 changes a result (tests/test_tune.py checks every candidate bit for bit); the choices that change
 arithmetic order stay fixed per kernel path.
 
@@ -30,6 +32,7 @@ import numpy as np
 from . import kernels, native
 from .bench import _matmul_samples, interleave, summary
 from .files import write_text_atomic
+from .slowcore import SlowCore
 
 FIELDS = ("prefetch_k1", "prefetch_l1_k", "prefetch_l2_k", "q4_k2_single", "guided_min_bytes",
           "guided_from_bytes")
@@ -43,6 +46,7 @@ MARGIN = 0.98           # a candidate replaces the default at a median paired ti
                         # and only if it was faster in three rounds of four (upper quartile < 1)
 CACHE_FORMAT = 1
 COLS = 2048             # the tuner's matrices: about a Qwen hidden size, so tiles are model-sized
+SLOW_DUTY = 0.5         # the split is judged with one core this busy with other work as well
 
 _state: dict = {"source": "default", "file": None, "tried": False}
 _noted: set[str] = set()
@@ -280,7 +284,7 @@ def _stage_samplers(b: _Bench) -> dict[str, Callable[[], list[float]]]:
             "q4_k2_single": lambda: b.matmul("q4", 2)}
 
 
-def _split_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
+def _threshold_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
     """Each threshold's seconds per round over walks of every SPLIT_SIZES slice size, from static
     and guided walks of each size timed once a round."""
     def walk(size, static):
@@ -293,6 +297,19 @@ def _split_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar
     return {name: [sum(got[f"{s}/{s < sets['guided_from_bytes']}"][r] for s in SPLIT_SIZES)
                    for r in range(rounds)]
             for name, sets in cands.items()}
+
+
+def _split_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
+    """Each threshold's time ratio to the default, per round: the worse of the ratio on quiet
+    cores and the ratio with the last worker's core shared with a co-runner (an emulated
+    efficiency core), so the split chosen is one that holds up on either."""
+    default = _label(cands, base)
+    quiet = _threshold_times(b, base, cands, rounds, bar)
+    bar.total += rounds
+    with SlowCore(b.pool.cpus[-1], SLOW_DUTY):
+        slowed = _threshold_times(b, base, cands, rounds, bar)
+    return {n: [max(quiet[n][r] / quiet[default][r], slowed[n][r] / slowed[default][r]) for r in range(rounds)]
+            for n in cands}
 
 
 def _times(stage: str, cands: dict[str, dict], b: _Bench, base: dict, rounds: int, bar) -> dict[str, list[float]]:
@@ -335,4 +352,4 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
     return {"format": CACHE_FORMAT, **key(), "date": datetime.datetime.now().isoformat(timespec="minutes"),
             "seconds": round(time.perf_counter() - start, 1), "values": base, "defaults": defaults(),
             "chosen": chosen, "measured": measured, "confirmed": confirmed, "mb": mb, "rounds": rounds,
-            "threads": b.pool.threads}
+            "threads": b.pool.threads, "slow_core": {"cpu": b.pool.cpus[-1], "duty": SLOW_DUTY} if split else None}
