@@ -1,71 +1,16 @@
-"""The measuring protocol (docs/science.md §7) and the benchmarks built on it.
-
-Warm up; interleave the things compared (A B A B ...); report medians with the
-interquartile range; measure the ceiling in the same run as what is compared with it;
-record the machine with every result.
-"""
+"""The benchmarks built on the measuring protocol (lab.protocol): bandwidth, the kernels,
+decode steps, v(k), c and o, thread configurations and speculation over gamma."""
 from __future__ import annotations
 
-import datetime
 import os
-import platform
-import subprocess
-from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from . import kernels, native
-from .formats import QK
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def summary(samples) -> dict:
-    """Median and interquartile range of a list of timings (or rates)."""
-    a = np.asarray(samples, dtype=np.float64)
-    q1, med, q3 = np.percentile(a, [25, 50, 75])
-    return {"median": float(med), "q1": float(q1), "q3": float(q3), "iqr": float(q3 - q1), "n": int(a.size)}
-
-
-def interleave(candidates: dict[str, Callable[[], list[float]]], rounds: int) -> dict[str, list[list[float]]]:
-    """Run each candidate once per round, in turn (A B A B ...): name -> one list of samples per round."""
-    out: dict[str, list[list[float]]] = {name: [] for name in candidates}
-    for _ in range(rounds):
-        for name, fn in candidates.items():
-            out[name].append(list(fn()))
-    return out
-
-
-def flat(rounds: list[list[float]]) -> list[float]:
-    return [x for r in rounds for x in r]
-
-
-def paired_ratio(a: list[list[float]], b: list[list[float]]) -> dict:
-    """Median and IQR over rounds of median(a) / median(b) within each round: on a shared
-    machine, neighbours in time see the same noise, so their ratio is steadier than
-    the ratio of the two overall medians."""
-    return summary([np.median(x) / np.median(y) for x, y in zip(a, b)])
-
-
-def commit() -> str | None:
-    try:
-        r = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
-                           capture_output=True, text=True, timeout=5)
-        return r.stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def machine() -> dict:
-    """What every result is recorded with."""
-    c = native.cpu()
-    return {
-        "cpu": c["model"], "vendor": c["vendor"], "logical_cpus": c["logical_cpus"],
-        "flags": [f for f, on in c["flags"].items() if on], "hybrid": c["flags"]["hybrid"],
-        "kernel_path": c["active_path"], "python": platform.python_version(),
-        "commit": commit(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
-    }
+from .machine import machine
+from .protocol import (fill, flat, forward_samples, interleave, matmul_samples, paired_ratio, read_buffer,
+                       read_sampler, summary)
 
 
 # ----------------------------------------------------------------------------
@@ -81,29 +26,6 @@ def _time(fn, reps: int) -> list[float]:
     secs = np.zeros(reps)
     fn(secs)
     return list(secs)
-
-
-def read_buffer(nbytes: int):
-    """A buffer allocated like the kernels' weights (2 MB pages where allowed), filled with
-    random bytes -> (array, owner); keep the owner alive as long as the array."""
-    ns = native.lib()
-    owner = ns.Buffer(nbytes)
-    view = owner.data()
-    view.reshape((nbytes,))
-    buf = np.frombuffer(view, dtype=np.uint8)
-    ns.fill_random(buf, nbytes, 1)
-    return buf, owner
-
-
-def read_sampler(buf: np.ndarray, pool: kernels.Pool, reps: int = 3) -> Callable[[], list[float]]:
-    """One call: `reps` read passes over buf -> GB/s each."""
-    ns = native.lib()
-
-    def sample():
-        secs = np.zeros(reps)
-        ns.bench_read(buf, buf.size, pool._pool, reps, secs)
-        return list(buf.size / secs / 1e9)
-    return sample
 
 
 def bandwidth(threads=None, mb: int = 512, rounds: int = 5, reps: int = 4) -> dict:
@@ -194,16 +116,6 @@ L2_SHAPE = {"q4": (256, 4096), "q8": (128, 4096)}            # about 590 and 557
 QUICK_DRAM_SHAPE = {"q4": (8192, 8192), "q8": (4096, 8192)}  # ~38 MB: still past the LLC
 
 
-def _matmul_samples(W, acts, pool, path, chunk, reps):
-    ns = native.lib()
-    y = np.empty((acts.k, W.rows), np.float32)
-    secs = np.zeros(reps)
-    rc = ns.bench_matmul(W.view(), acts._acts, y, path, kernels._pool_ptr(pool), chunk, reps, secs)
-    if rc:
-        raise RuntimeError(f"bench_matmul failed with code {rc}")
-    return list(secs)
-
-
 def kernel_records(fmt: str, shape, ks, pool: kernels.Pool, working_set: str, path: int,
                    peak_gmacs: float, rounds: int, reps: int, reader=None, chunk: int | str = "guided",
                    peak=None) -> list[dict]:
@@ -216,7 +128,7 @@ def kernel_records(fmt: str, shape, ks, pool: kernels.Pool, working_set: str, pa
     rng = np.random.default_rng(0)
     acts = {k: kernels.Acts(rng.standard_normal((k, cols), dtype=np.float32), native.PATHS[path]) for k in ks}
     code = kernels.split_code(chunk)
-    cands = {k: (lambda a=acts[k]: [W.nbytes / s / 1e9 for s in _matmul_samples(W, a, pool, path, code, reps)])
+    cands = {k: (lambda a=acts[k]: [W.nbytes / s / 1e9 for s in matmul_samples(W, a, pool, path, code, reps)])
              for k in ks}
     if reader:
         cands["read"] = reader
@@ -283,27 +195,6 @@ def kernels_bench(ks=(1, 2, 4, 8, 16), fmts=("q4", "q8"), threads: int | None = 
 # The engine: decode rate against the ceiling, v(k), c, o
 # ----------------------------------------------------------------------------
 
-def _forward_samples(engine, tokens: np.ndarray, pos: int, reps: int) -> list[float]:
-    """Seconds for each of reps passes over tokens at pos: one token's pass makes the last
-    logits (a decode step), k tokens' every position's (a verification)."""
-    ns = native.lib()
-    k = tokens.size
-    mode = native.consts().logits["last" if k == 1 else "all"]
-    logits = np.zeros((k, engine.vocab), np.float32)
-    secs = np.zeros(reps)
-    rc = ns.bench_forward(engine._m, tokens, k, pos, mode, engine.pool._pool, engine.path_id, reps, secs, logits)
-    if rc:
-        raise RuntimeError(f"bench_forward failed with code {rc}")
-    return list(secs)
-
-
-def _fill(engine, context: int, seed: int = 0) -> np.ndarray:
-    """Puts `context` tokens in the cache (random ids: attention's cost does not read them)."""
-    ids = np.random.default_rng(seed).integers(0, engine.vocab, context).astype(np.int32)
-    engine.forward(ids, 0, logits="none")
-    return ids
-
-
 def decode_bench(model: str, scheme: str = "q4-q8out", threads: int | None = None, context: int = 256,
                  rounds: int = 7, reps: int = 5, stages: bool = False) -> dict:
     """One-token decode steps at a fixed context (the output layer included), paired round by
@@ -313,7 +204,7 @@ def decode_bench(model: str, scheme: str = "q4-q8out", threads: int | None = Non
     from .models.export import engine_file
     path = engine_file(model, scheme)
     e = Engine(path, threads=threads, max_context=max(context + 64, 512))
-    ids = _fill(e, context)
+    ids = fill(e, context)
     tok = ids[-1:].copy()
     buf, _owner = read_buffer(512 << 20)
     reader = read_sampler(buf, e.pool)
@@ -322,7 +213,7 @@ def decode_bench(model: str, scheme: str = "q4-q8out", threads: int | None = Non
 
     def step():
         e.profile(stages)
-        secs = _forward_samples(e, tok, context, reps)
+        secs = forward_samples(e, tok, context, reps)
         if stages:
             per_round.append({k: v / (reps + 1) for k, v in e.stage_seconds().items()})   # + the warm-up pass
             e.profile(False)
@@ -374,13 +265,13 @@ def vk_bench(target: str, draft: str | None = None, scheme: str = "q4-q8out", th
         from tqdm.auto import tqdm
         it = tqdm(contexts, desc="v(k)", unit="context")
     for ctx in it:
-        ids = _fill(t, ctx)
+        ids = fill(t, ctx)
         for d in drafts.values():
             d.forward(ids, 0, logits="none")
         batch = {k: np.random.default_rng(k).integers(0, t.vocab, k).astype(np.int32) for k in ks}
-        cands = {f"k{k}": (lambda k=k: _forward_samples(t, batch[k], ctx, reps)) for k in ks}
+        cands = {f"k{k}": (lambda k=k: forward_samples(t, batch[k], ctx, reps)) for k in ks}
         for s, d in drafts.items():
-            cands[f"draft-{s}"] = lambda d=d: _forward_samples(d, batch[1], ctx, reps)
+            cands[f"draft-{s}"] = lambda d=d: forward_samples(d, batch[1], ctx, reps)
         samples = interleave(cands, rounds)
         one = samples["k1"]
         for k in ks:
@@ -400,7 +291,7 @@ def overhead(target, draft=None, gamma: int = 4, tokens: int = 64) -> dict:
     """o: the time a round spends outside the model passes (picking tokens, the acceptance
     rule), per round, over one target step — greedy and sampled (temperature 1)."""
     prompt = list(np.random.default_rng(1).integers(0, target.vocab, 32))
-    step = float(np.median(_forward_samples(target, np.array(prompt[-1:], np.int32), 32, 5)))
+    step = float(np.median(forward_samples(target, np.array(prompt[-1:], np.int32), 32, 5)))
     out = {"target_step_ms": step * 1e3}
     for label, temp in (("greedy", 0.0), ("sampled", 1.0)):
         d = draft if draft is not None else "lookup"
@@ -462,13 +353,13 @@ def threads_bench(target: str, draft: str, scheme: str = "q4-q8out", context: in
         de = Engine(engine_file(draft, scheme), pool=pool, max_context=context + 32)
         for e in (te, de):
             e.set_chunk(SPLITS[chunk])
-        ids = _fill(te, context)
+        ids = fill(te, context)
         de.forward(ids, 0, logits="none")
         one = ids[-1:].copy()
         batch = np.resize(ids, gamma + 1).astype(np.int32)
-        cands = {"draft step": lambda: _forward_samples(de, one, context, reps),
-                 "target step": lambda: _forward_samples(te, one, context, reps),
-                 f"verification (k={gamma + 1})": lambda: _forward_samples(te, batch, context, reps)}
+        cands = {"draft step": lambda: forward_samples(de, one, context, reps),
+                 "target step": lambda: forward_samples(te, one, context, reps),
+                 f"verification (k={gamma + 1})": lambda: forward_samples(te, batch, context, reps)}
         for phase, secs in interleave(cands, rounds).items():
             st = summary(flat(secs))
             rows.append({"phase": phase, "threads": t, "pinned": pin, "split": chunk,

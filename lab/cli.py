@@ -373,7 +373,7 @@ def _draft_engine(args, pool, max_context: int):
 
 def cmd_bench_speculative(args) -> int:
     from . import policy, speculative
-    from .bench import commit, machine
+    from .machine import commit, machine
     from .engine import Engine
     from .kernels import Pool
     from .models.export import engine_file
@@ -555,7 +555,7 @@ def _print_baseline(r: dict) -> None:
 
 def cmd_bench_baseline(args) -> int:
     from .baselines import llamacpp, study, systems
-    from .bench import commit, machine
+    from .machine import commit, machine
     from .vocab import default_n
     _check_vocab(args.model, args.draft)
     _check_schemes(("--scheme", args.scheme))

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from lab import bench, native
+from lab import bench, native, protocol
 
 ROOT = native.SOURCE_DIR.parent
 
@@ -18,13 +18,13 @@ def run_lab(*args, env=None):
 
 
 def test_summary_median_and_iqr():
-    s = bench.summary([5, 1, 3, 2, 4])
+    s = protocol.summary([5, 1, 3, 2, 4])
     assert s["median"] == 3 and s["q1"] == 2 and s["q3"] == 4 and s["iqr"] == 2
 
 
 def test_interleave_alternates():
     order = []
-    bench.interleave({"a": lambda: order.append("a") or [1], "b": lambda: order.append("b") or [2]}, 3)
+    protocol.interleave({"a": lambda: order.append("a") or [1], "b": lambda: order.append("b") or [2]}, 3)
     assert order == ["a", "b"] * 3
 
 
