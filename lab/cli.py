@@ -178,7 +178,7 @@ def _check_k(ks: list[int]) -> None:
 
 
 def _check_kernels(args) -> None:
-    from .bench import DRAM_SHAPE
+    from .kernel_bench import DRAM_SHAPE
     unknown = [k for k in args.kernel if k not in DRAM_SHAPE]
     if unknown:
         raise LabError(f"--kernel {','.join(unknown)}: no such kernel; the kernels are {', '.join(DRAM_SHAPE)}")
@@ -327,12 +327,12 @@ def _emit(args, r: dict, show) -> int:
 
 
 def cmd_bench_bandwidth(args) -> int:
-    from .bench import bandwidth
+    from .ceilings import bandwidth
     return _emit(args, bandwidth(threads=args.threads, mb=args.mb, rounds=args.rounds), _print_bandwidth)
 
 
 def cmd_bench_kernels(args) -> int:
-    from .bench import kernels_bench
+    from .kernel_bench import kernels_bench
     _check_kernels(args)
     r = kernels_bench(ks=tuple(args.k), fmts=tuple(args.kernel), threads=args.threads, quick=args.quick,
                       path=args.path)

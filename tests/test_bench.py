@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from lab import bench, native, protocol
+from lab import ceilings, kernel_bench, native, protocol
 
 ROOT = native.SOURCE_DIR.parent
 
@@ -71,12 +71,12 @@ def test_no_kernel_beats_the_issue_peak(path):
     the peak is the fastest of its loops whatever order they are listed in."""
     if path not in native.supported_paths():
         pytest.skip(f"this CPU has no {path}")
-    peak = bench.dot_peak(path, n=4_000_000, reps=5)
+    peak = ceilings.dot_peak(path, n=4_000_000, reps=5)
     rows = peak["variants"]
     assert peak["gmacs"] == max(r["gmacs"] for r in rows) > 0
-    assert bench.best_variant(rows[::-1])["variant"] == bench.best_variant(rows)["variant"] == peak["variant"]
+    assert ceilings.best_variant(rows[::-1])["variant"] == ceilings.best_variant(rows)["variant"] == peak["variant"]
     assert {r["form"] for r in rows if r["op"] == "vpdpbusd"} in ({"reg", "bcst"}, set())
     ks, rounds, reps = ((1, 16), 3, 2) if path == "scalar" else ((1, 2, 4, 8, 16), 9, 10)
     for fmt in ("q4", "q8"):
-        for r in bench.l2_records(fmt, ks, native.path_id(path), peak, rounds, reps):
+        for r in kernel_bench.l2_records(fmt, ks, native.path_id(path), peak, rounds, reps):
             assert r["share_of_peak"] <= 1.05, (fmt, r["k"], r["share_of_peak"], peak["variant"])
