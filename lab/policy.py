@@ -125,7 +125,7 @@ def measure_costs(target, draft=None, contexts=(128, 512, 2048), kmax: int = 9, 
     """v(k) for k = 1..kmax (a round of kmax - 1 guesses at most) and c at each context that
     fits both caches, and o."""
     from tqdm.auto import tqdm
-    from .bench import overhead
+    from .costs import overhead
     _, _, ncx, vk, max_k = _consts()
     kmax = min(kmax, max_k + 1)
     top = min(target.max_context, draft.max_context if draft else target.max_context) - (kmax + 1)
