@@ -178,7 +178,7 @@ def _check_k(ks: list[int]) -> None:
 
 
 def _check_kernels(args) -> None:
-    from .bench import DRAM_SHAPE
+    from .kernel_bench import DRAM_SHAPE
     unknown = [k for k in args.kernel if k not in DRAM_SHAPE]
     if unknown:
         raise LabError(f"--kernel {','.join(unknown)}: no such kernel; the kernels are {', '.join(DRAM_SHAPE)}")
@@ -326,13 +326,19 @@ def _emit(args, r: dict, show) -> int:
     return 0
 
 
+def _named(r: dict, **names) -> dict:
+    """A bench's result with the names of what it measured after its machine: benches take
+    engines, which do not know the names they were loaded by."""
+    return {**dict(list(r.items())[:1]), **names, **r}
+
+
 def cmd_bench_bandwidth(args) -> int:
-    from .bench import bandwidth
+    from .ceilings import bandwidth
     return _emit(args, bandwidth(threads=args.threads, mb=args.mb, rounds=args.rounds), _print_bandwidth)
 
 
 def cmd_bench_kernels(args) -> int:
-    from .bench import kernels_bench
+    from .kernel_bench import kernels_bench
     _check_kernels(args)
     r = kernels_bench(ks=tuple(args.k), fmts=tuple(args.kernel), threads=args.threads, quick=args.quick,
                       path=args.path)
@@ -340,20 +346,34 @@ def cmd_bench_kernels(args) -> int:
 
 
 def cmd_bench_decode(args) -> int:
-    from .bench import decode_bench
+    from .engine import Engine
+    from .models.export import engine_file
+    from .steps import decode_bench
     _check_decode(args)
-    r = decode_bench(args.model, args.scheme, args.threads, args.context, rounds=args.rounds, stages=args.stages)
-    return _emit(args, r, _print_decode)
+    e = Engine(engine_file(args.model, args.scheme), threads=args.threads, max_context=max(args.context + 64, 512))
+    r = decode_bench(e, args.context, rounds=args.rounds, stages=args.stages)
+    return _emit(args, _named(r, model=args.model, format=args.scheme), _print_decode)
+
+
+VK_DRAFT_SCHEMES = ("q4-q8out", "q8")      # the draft formats whose c lab bench vk measures
 
 
 def cmd_bench_vk(args) -> int:
-    from .bench import vk_bench
+    from .costs import vk_bench
+    from .engine import Engine
+    from .kernels import Pool
+    from .models.export import engine_file
     _check_vk(args)
     ks = tuple(args.k or range(1, profiles.max_k() + 1))     # the default needs the engine, so only now
     draft = None if args.draft == "lookup" else args.draft
-    r = vk_bench(args.model, draft, args.scheme, args.threads, tuple(args.context), ks, rounds=args.rounds,
-                 progress=not args.json)
-    return _emit(args, r, _print_vk)
+    pool = Pool(args.threads)
+    top = max(args.context) + max(ks) + 64
+    target = Engine(engine_file(args.model, args.scheme), pool=pool, max_context=top)
+    # o is measured with the first draft: the one in the target's format, where there is one
+    schemes = sorted(VK_DRAFT_SCHEMES, key=lambda s: s != args.scheme) if draft else []
+    drafts = {s: Engine(engine_file(draft, s), pool=pool, max_context=top) for s in schemes}
+    r = vk_bench(target, drafts, tuple(args.context), ks, rounds=args.rounds, progress=not args.json)
+    return _emit(args, _named(r, target=args.model, draft=draft, format=args.scheme), _print_vk)
 
 
 def _draft_engine(args, pool, max_context: int):
@@ -373,7 +393,7 @@ def _draft_engine(args, pool, max_context: int):
 
 def cmd_bench_speculative(args) -> int:
     from . import policy, speculative
-    from .bench import commit, machine
+    from .machine import commit, machine
     from .engine import Engine
     from .kernels import Pool
     from .models.export import engine_file
@@ -555,7 +575,7 @@ def _print_baseline(r: dict) -> None:
 
 def cmd_bench_baseline(args) -> int:
     from .baselines import llamacpp, study, systems
-    from .bench import commit, machine
+    from .machine import commit, machine
     from .vocab import default_n
     _check_vocab(args.model, args.draft)
     _check_schemes(("--scheme", args.scheme))

@@ -32,9 +32,9 @@ import dask
 from distributed import Client, LocalCluster, Nanny, get_worker
 
 from . import native, profiles, runner
-from .bench import commit, machine
 from .errors import LabError
 from .files import write_text_atomic
+from .machine import commit, machine
 
 CONNECT_TIMEOUT = 5          # seconds: an unreachable scheduler is an error this soon
 LOCAL_WORKERS = 2            # `--scheduler local` without :N

@@ -2,7 +2,7 @@
 it comes from (the cost model it plans with: docs/science.md §1).
 
 - Costs: this machine's v(k), c and o at a few contexts, measured once per machine and pair
-  of models (lab.bench's protocol: interleaved, medians of paired ratios) and cached under
+  of models (lab.protocol: interleaved, medians of paired ratios) and cached under
   cache_dir()/costs/.
 - Calibration: how likely a guess is to be accepted, from the draft's confidence (its top
   probability) or from the length of the n-gram prompt lookup matched; fitted on training
@@ -110,19 +110,17 @@ def costs_at(target, drafts: dict, context: int, kmax: int = 9, rounds: int = 3,
     """v(0..kmax) and each draft's c (name -> c) at one context, every candidate timed once a
     round in turn, so each ratio pairs neighbours in time. v is made non-decreasing in k:
     k + 1 tokens never cost less than k, so a dip is noise."""
-    from . import bench
-    ids = bench._fill(target, context)
-    for d in drafts.values():
-        d.forward(ids, 0, logits="none")
+    from .protocol import fill, forward_samples, interleave, paired_ratio
+    ids = fill(target, context, *drafts.values())
     batch = {k: np.resize(ids, k).astype(np.int32) for k in range(1, kmax + 1)}
-    cands = {k: (lambda k=k: bench._forward_samples(target, batch[k], context, reps))
+    cands = {k: (lambda k=k: forward_samples(target, batch[k], context, reps))
              for k in batch}
     for name, d in drafts.items():
-        cands[f"c:{name}"] = lambda d=d: bench._forward_samples(d, batch[1], context, reps)
-    s = bench.interleave(cands, rounds)
-    v = [bench.paired_ratio(s[k], s[1])["median"] for k in batch]
+        cands[f"c:{name}"] = lambda d=d: forward_samples(d, batch[1], context, reps)
+    s = interleave(cands, rounds)
+    v = [paired_ratio(s[k], s[1])["median"] for k in batch]
     v = isotonic(np.array(v), np.ones(len(v)))
-    return [0.0] + [float(x) for x in v], {n: bench.paired_ratio(s[f"c:{n}"], s[1])["median"] for n in drafts}
+    return [0.0] + [float(x) for x in v], {n: paired_ratio(s[f"c:{n}"], s[1])["median"] for n in drafts}
 
 
 def measure_costs(target, draft=None, contexts=CONTEXTS, kmax: int = 9, rounds: int = 7, reps: int = 2,
@@ -130,7 +128,7 @@ def measure_costs(target, draft=None, contexts=CONTEXTS, kmax: int = 9, rounds: 
     """v(k) for k = 1..kmax (a round of kmax - 1 guesses at most) and c at each context that
     fits both caches, and o."""
     from tqdm.auto import tqdm
-    from . import bench
+    from .costs import overhead
     _, _, ncx, vk, max_k = _consts()
     kmax = min(kmax, max_k + 1)
     top = min(target.max_context, draft.max_context if draft else target.max_context) - (kmax + 1)
@@ -140,7 +138,7 @@ def measure_costs(target, draft=None, contexts=CONTEXTS, kmax: int = 9, rounds: 
         v, c = costs_at(target, {"draft": draft} if draft else {}, ctx, kmax, rounds, reps)
         vs.append(v)
         cs.append(c.get("draft", 0.0))
-    o = bench.overhead(target, draft, tokens=32)
+    o = overhead(target, draft, tokens=32)
     return Costs(machine=machine_id(target.pool.threads), target=_content(target), draft=_content(draft),
                  contexts=ctxs, v=vs, c=cs, o=o["o_greedy"], o_sampled=o["o_sampled"])
 

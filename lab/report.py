@@ -5,8 +5,8 @@ import json
 import os
 from pathlib import Path
 
-from .bench import machine
 from .files import write_text_atomic
+from .machine import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 

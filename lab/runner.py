@@ -16,8 +16,8 @@ from pathlib import Path
 import jinja2
 
 from . import profiles
-from .bench import machine
 from .files import write_text_atomic
+from .machine import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 STYLE = ("body{font-family:Helvetica,Arial,sans-serif;margin:2em;max-width:70em}td,th{padding:.4em .8em;"

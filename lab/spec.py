@@ -66,7 +66,7 @@ def best_measured_gamma(rows: list[dict], key: str) -> int:
 
 def best_gammas(table: list[dict], gammas) -> list[dict]:
     """Per group (and overall) and drafter: the γ with the highest measured speedup, with the
-    prediction at that γ (geometric means). table: rows of lab.bench.gamma_bench."""
+    prediction at that γ (geometric means). table: rows of lab.prediction.table."""
     out = []
     groups = list(dict.fromkeys(r["group"] for r in table)) + ["overall"]
     for grp in groups:

@@ -30,8 +30,8 @@ from typing import Callable
 import numpy as np
 
 from . import kernels, native
-from .bench import _matmul_samples, interleave, summary
 from .files import write_text_atomic
+from .protocol import interleave, matmul_samples, summary
 from .slowcore import SlowCore
 
 FIELDS = ("prefetch_k1", "prefetch_l1_k", "prefetch_l2_k", "q4_k2_single", "guided_min_bytes",
@@ -233,7 +233,7 @@ class _Bench:
 
     def matmul(self, fmt: str, k: int) -> list[float]:
         """Seconds per pass over the whole matrix, split the engine's way."""
-        return _matmul_samples(self.W[fmt], self.acts[k], self.pool, self.path, self.guided, self.reps)
+        return matmul_samples(self.W[fmt], self.acts[k], self.pool, self.path, self.guided, self.reps)
 
     def both(self, k: int) -> list[float]:
         return [a + b for a, b in zip(self.matmul("q4", k), self.matmul("q8", k))]

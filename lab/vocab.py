@@ -127,20 +127,18 @@ def curve(target, draft_name: str, target_name: str, ns=(8192, 16384, 32768, 655
     one run; α: teacher-forced along the target's greedy answers, samples = [(group, prompt,
     answer)], each draft scoring the prompt's own tokens as the round loop does."""
     from tqdm.auto import tqdm
-    from . import bench
     from .engine import Engine
     from .models.export import engine_file
     from .policy import teacher_forced
+    from .protocol import fill, flat, forward_samples, interleave, paired_ratio
     files = {n: trimmed_draft_file(draft_name, target_name, n, fmt, progress=progress) if n else engine_file(draft_name)
              for n in ns}
     drafts = {n: Engine(f, pool=target.pool, max_context=target.max_context) for n, f in files.items()}
-    ids = bench._fill(target, context)
-    for d in drafts.values():
-        d.forward(ids, 0, logits="none")
+    ids = fill(target, context, *drafts.values())
     one = ids[-1:].copy()
-    cands = {"target": lambda: bench._forward_samples(target, one, context, 3)}
-    cands.update({n: (lambda d=d: bench._forward_samples(d, one, context, 3)) for n, d in drafts.items()})
-    timed = bench.interleave(cands, rounds)
+    cands = {"target": lambda: forward_samples(target, one, context, 3)}
+    cands.update({n: (lambda d=d: forward_samples(d, one, context, 3)) for n, d in drafts.items()})
+    timed = interleave(cands, rounds)
     rows = []
     for n, d in tqdm(drafts.items(), desc="α per N", unit="draft", disable=not progress, file=sys.stderr):
         hits: dict[str, list[float]] = {}
@@ -150,8 +148,8 @@ def curve(target, draft_name: str, target_name: str, ns=(8192, 16384, 32768, 655
             hits.setdefault(group, []).extend((logits.argmax(-1) == np.asarray(answer)).tolist())
         kept = d.kept_ids[:n] if n else None
         row = {"N": n or int(d.vocab), "trimmed": bool(n), "format": fmt if n else "stock",
-               "c": bench.paired_ratio(timed[n], timed["target"])["median"],
-               "step_ms": float(np.median(bench.flat(timed[n]))) * 1e3,
+               "c": paired_ratio(timed[n], timed["target"])["median"],
+               "step_ms": float(np.median(flat(timed[n]))) * 1e3,
                "alpha": float(np.mean([h for v in hits.values() for h in v])) if hits else float("nan"),
                "coverage": coverage(kept, [(p, a) for _, p, a in samples]) if n else 1.0}
         row.update({f"alpha_{g}": float(np.mean(v)) for g, v in hits.items()})

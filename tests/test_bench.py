@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from lab import bench, native
+from lab import ceilings, kernel_bench, native, protocol, speedups, steps
 
 ROOT = native.SOURCE_DIR.parent
 
@@ -18,13 +18,13 @@ def run_lab(*args, env=None):
 
 
 def test_summary_median_and_iqr():
-    s = bench.summary([5, 1, 3, 2, 4])
+    s = protocol.summary([5, 1, 3, 2, 4])
     assert s["median"] == 3 and s["q1"] == 2 and s["q3"] == 4 and s["iqr"] == 2
 
 
 def test_interleave_alternates():
     order = []
-    bench.interleave({"a": lambda: order.append("a") or [1], "b": lambda: order.append("b") or [2]}, 3)
+    protocol.interleave({"a": lambda: order.append("a") or [1], "b": lambda: order.append("b") or [2]}, 3)
     assert order == ["a", "b"] * 3
 
 
@@ -71,12 +71,45 @@ def test_no_kernel_beats_the_issue_peak(path):
     the peak is the fastest of its loops whatever order they are listed in."""
     if path not in native.supported_paths():
         pytest.skip(f"this CPU has no {path}")
-    peak = bench.dot_peak(path, n=4_000_000, reps=5)
+    peak = ceilings.dot_peak(path, n=4_000_000, reps=5)
     rows = peak["variants"]
     assert peak["gmacs"] == max(r["gmacs"] for r in rows) > 0
-    assert bench.best_variant(rows[::-1])["variant"] == bench.best_variant(rows)["variant"] == peak["variant"]
+    assert ceilings.best_variant(rows[::-1])["variant"] == ceilings.best_variant(rows)["variant"] == peak["variant"]
     assert {r["form"] for r in rows if r["op"] == "vpdpbusd"} in ({"reg", "bcst"}, set())
     ks, rounds, reps = ((1, 16), 3, 2) if path == "scalar" else ((1, 2, 4, 8, 16), 9, 10)
     for fmt in ("q4", "q8"):
-        for r in bench.l2_records(fmt, ks, native.path_id(path), peak, rounds, reps):
+        for r in kernel_bench.l2_records(fmt, ks, native.path_id(path), peak, rounds, reps):
             assert r["share_of_peak"] <= 1.05, (fmt, r["k"], r["share_of_peak"], peak["variant"])
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """A tiny target and a tiny draft Engine on one pool: what the benches are handed."""
+    from lab.engine import Engine
+    from lab.kernels import Pool
+    from lab.models import TINY, tiny_weights
+    from lab.models import export as ex
+    d = tmp_path_factory.mktemp("bench")
+    c = TINY["tiny-qwen2"]
+    pool = Pool(1)
+    return [Engine(ex.export(c, tiny_weights(c, seed=s), d / f"{s}.lab", "q4-q8out"), pool=pool, max_context=256)
+            for s in (1, 2)]
+
+
+def test_gamma_bench_predicts_every_group_drafter_and_gamma(pair):
+    t, d = pair
+    prompts = [("a", [1, 2, 3, 1, 2, 3, 1, 2]), ("b", [5, 6, 7, 5, 6, 7])]
+    g = speedups.gamma_bench(t, d, prompts, gammas=(1, 2), max_new_tokens=8, context=32, rounds=1)
+    assert len(g["runs"]) == 2 * 2 * 2 and set(g["v"]) == {1, 2, 3} and g["c"] > 0
+    cells = [(r["group"], r["drafter"], r["gamma"]) for r in g["table"]]
+    assert cells == [(grp, dr, gm) for grp in "ab" for dr in ("draft", "lookup") for gm in (1, 2)]
+    assert all(r["predicted"] > 0 and r["measured"] > 0 for r in g["table"])
+
+
+def test_threads_bench_hands_the_engines_back(pair):
+    """Every configuration times the three phases; the engines keep their own pool afterwards."""
+    t, d = pair
+    pools = (t.pool, d.pool)
+    rows = steps.threads_bench(t, d, context=16, gamma=2, rounds=1, reps=1, max_threads=1)
+    assert [r["phase"] for r in rows] == ["draft step", "target step", "verification (k=3)"]
+    assert all(r["ms"] > 0 for r in rows) and (t.pool, d.pool) == pools

@@ -226,13 +226,13 @@ def test_an_explicit_k_list_is_kept_as_given(bench):
 
 
 def _vk_ks(monkeypatch, capsys, extra: list[str]) -> tuple:
-    """The ks lab bench vk hands to lab.bench.vk_bench (a stand-in: nothing is measured)."""
+    """The ks lab bench vk hands to lab.costs.vk_bench (a stand-in: nothing is measured)."""
     seen = {}
 
     def fake_vk_bench(*a, **kw):
-        seen["ks"] = a[5]
+        seen["ks"] = a[3]
         return {}
-    monkeypatch.setattr("lab.bench.vk_bench", fake_vk_bench)
+    monkeypatch.setattr("lab.costs.vk_bench", fake_vk_bench)
     assert cli.main(["bench", "vk", *TINY, "--draft", "tiny-qwen2", "--json", *extra]) == 0
     capsys.readouterr()
     return seen["ks"]

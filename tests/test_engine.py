@@ -118,7 +118,7 @@ def test_stage_profile_accounts_for_the_pass(files, pool):
     """Profiling times every stage of a pass without changing its logits; the stages cover
     the pass's time; their bytes add up to the bytes a pass reads."""
     import time
-    from lab.bench import _forward_samples
+    from lab.protocol import forward_samples
     from lab.engine import STAGES
     e = Engine(files["tiny-qwen3"]["q4-q8out"], pool=pool, max_context=128)
     toks = np.arange(1, 17, dtype=np.int32)
@@ -127,7 +127,7 @@ def test_stage_profile_accounts_for_the_pass(files, pool):
     assert e.forward(toks, 0).tobytes() == want.tobytes()
     e.profile(True)                                        # cleared
     t0 = time.perf_counter()
-    passes = _forward_samples(e, toks, 0, reps=5)       # a warm-up pass, then 5 timed in C++
+    passes = forward_samples(e, toks, 0, reps=5)       # a warm-up pass, then 5 timed in C++
     wall = time.perf_counter() - t0
     secs = e.stage_seconds()
     assert list(secs) == list(STAGES)

@@ -1,6 +1,9 @@
 """`lab run`: profiles are checked before anything runs; a failing notebook is reported in
 the index while the others complete and earlier good reports stay."""
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -73,6 +76,16 @@ def test_bad_profiles_are_rejected_before_running(collection):
         profiles.load("missing")
     with pytest.raises(profiles.ProfileError, match=r"--set.*n must be int"):
         profiles.load("p", overrides=profiles.parse_set(["n=abc"]))
+
+
+def test_saving_reports_imports_no_native_code():
+    """lab.report and lab.runner import nothing that builds or loads the C++: lab.machine asks
+    the native library about the CPU only when a machine is described."""
+    code = ("import sys, lab.report, lab.runner; "
+            "print(sorted(m for m in ('lab.native', 'lab.kernels', 'cppyy') if m in sys.modules))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr)
 
 
 def test_shipped_profiles_are_valid():

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .. import bench, energy
+from .. import energy
+from ..protocol import fill, flat, forward_samples, interleave, paired_ratio, read_buffer, read_sampler
 from ..spec import geomean
 from ..speculative import SpeculationMismatch, bracket
 from . import Run
@@ -43,8 +44,8 @@ def steps(lab_engine, llama=None, contexts=(256, 2048), ks=tuple(range(1, 17)), 
     """Per context and system: ms per k-token pass, v(k) paired with k = 1 round by round,
     tokens/s and GB/s of a decode step, and its share of the read ceiling."""
     from tqdm.auto import tqdm
-    buf, _owner = bench.read_buffer(mb << 20)
-    reader = bench.read_sampler(buf, lab_engine.pool)
+    buf, _owner = read_buffer(mb << 20)
+    reader = read_sampler(buf, lab_engine.pool)
     systems = {"lab": _LabPasses(lab_engine)}
     if llama is not None:
         systems["llama.cpp"] = llama
@@ -56,20 +57,20 @@ def steps(lab_engine, llama=None, contexts=(256, 2048), ks=tuple(range(1, 17)), 
         for name, s in systems.items():
             for k in ks:
                 cands[f"{name}/{k}"] = (lambda s=s, k=k: s.pass_seconds(k, reps))
-        samples = bench.interleave(cands, rounds)
+        samples = interleave(cands, rounds)
         out += [_step_record(name, s, samples, ctx, ks) for name, s in systems.items()]
     return out
 
 
 def _step_record(name, s, samples, ctx, ks) -> dict:
     one = samples[f"{name}/1"]
-    step = float(np.median(bench.flat(one)))
+    step = float(np.median(flat(one)))
     gbps = [[s.bytes_per_token / x / 1e9 for x in r] for r in one]
     return {"system": name, "context": ctx, "ms_per_token": step * 1e3, "tokens_per_s": 1 / step,
-            "bytes_per_token": s.bytes_per_token, "gbps": float(np.median(bench.flat(gbps))),
-            "read_gbps": float(np.median(bench.flat(samples["read"]))),
-            "share_of_ceiling": bench.paired_ratio(gbps, samples["read"])["median"],
-            "v": {k: bench.paired_ratio(samples[f"{name}/{k}"], one)["median"] for k in ks}}
+            "bytes_per_token": s.bytes_per_token, "gbps": float(np.median(flat(gbps))),
+            "read_gbps": float(np.median(flat(samples["read"]))),
+            "share_of_ceiling": paired_ratio(gbps, samples["read"])["median"],
+            "v": {k: paired_ratio(samples[f"{name}/{k}"], one)["median"] for k in ks}}
 
 
 class _LabPasses:
@@ -81,11 +82,11 @@ class _LabPasses:
 
     def fill(self, ctx: int) -> None:
         self.ctx = ctx
-        ids = bench._fill(self.e, ctx)
+        ids = fill(self.e, ctx)
         self.batch = {k: np.resize(ids[::-1], k).astype(np.int32) for k in range(1, 17)}
 
     def pass_seconds(self, k: int, reps: int) -> list[float]:
-        return bench._forward_samples(self.e, self.batch[k], self.ctx, reps)
+        return forward_samples(self.e, self.batch[k], self.ctx, reps)
 
 
 # ----------------------------------------------------------------------------

@@ -1,0 +1,58 @@
+"""The costs speculative decoding is predicted from (`lab bench vk`): v(k), c and o, each a
+ratio to one target step measured in the same rounds."""
+from __future__ import annotations
+
+import numpy as np
+
+from .machine import machine
+from .protocol import fill, flat, forward_samples, interleave, paired_ratio
+
+
+def vk_bench(target, drafts: dict, contexts=(128, 512, 2048), ks=tuple(range(1, 17)), rounds: int = 5,
+             reps: int = 3, progress: bool = False) -> dict:
+    """v(k) = one target pass over k tokens / one single-token pass, k values interleaved, at
+    each context; c = one draft step / one target step at the same context, for each of
+    `drafts` (format -> Engine); o = a round's overhead (sampling, acceptance) / one target
+    step, with the first draft (prompt lookup if none)."""
+    it = contexts
+    if progress:
+        from tqdm.auto import tqdm
+        it = tqdm(contexts, desc="v(k)", unit="context")
+    records = [r for ctx in it for r in _records_at(target, drafts, ctx, ks, rounds, reps)]
+    o = overhead(target, next(iter(drafts.values()), None))
+    return {"machine": machine(), "threads": target.pool.threads, "records": records, "o": o["o_greedy"],
+            "overhead": o}
+
+
+def _records_at(target, drafts: dict, ctx: int, ks, rounds: int, reps: int) -> list[dict]:
+    """v(k) for each k and c for each draft at one context, every pass interleaved with the rest."""
+    fill(target, ctx, *drafts.values())
+    batch = {k: np.random.default_rng(k).integers(0, target.vocab, k).astype(np.int32) for k in ks}
+    cands = {f"k{k}": (lambda k=k: forward_samples(target, batch[k], ctx, reps)) for k in ks}
+    cands.update({f"draft-{s}": (lambda d=d: forward_samples(d, batch[1], ctx, reps)) for s, d in drafts.items()})
+    samples = interleave(cands, rounds)
+
+    def to_one(name: str) -> tuple[float, float, float]:
+        st = paired_ratio(samples[name], samples["k1"])
+        return st["median"], st["iqr"], float(np.median(flat(samples[name]))) * 1e3
+    records = []
+    for k in ks:
+        v, iqr, ms = to_one(f"k{k}")
+        records.append({"kind": "v", "context": ctx, "k": k, "v": v, "v_iqr": iqr, "ms": ms})
+    for s in drafts:
+        c, iqr, ms = to_one(f"draft-{s}")
+        records.append({"kind": "c", "format": s, "context": ctx, "c": c, "c_iqr": iqr, "ms": ms})
+    return records
+
+
+def overhead(target, draft=None, gamma: int = 4, tokens: int = 64) -> dict:
+    """o: the time a round spends outside the model passes (picking tokens, the acceptance
+    rule), per round, over one target step — greedy and sampled (temperature 1)."""
+    prompt = list(np.random.default_rng(1).integers(0, target.vocab, 32))
+    step = float(np.median(forward_samples(target, np.array(prompt[-1:], np.int32), 32, 5)))
+    out = {"target_step_ms": step * 1e3}
+    for label, temp in (("greedy", 0.0), ("sampled", 1.0)):
+        d = draft if draft is not None else "lookup"
+        r = target.speculate(prompt, d, gamma=gamma, max_new_tokens=tokens, temperature=temp, seed=1)
+        out[f"o_{label}"] = r.t_sample / r.rounds / step
+    return out

@@ -1,0 +1,91 @@
+"""Each kernel and k against the machine's ceilings (`lab bench kernels`): a DRAM-resident
+matrix against the read ceiling, an L2-resident one against the dot-product issue peak."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from . import kernels, native
+from .ceilings import best_variant, dot_peak, dot_sampler
+from .machine import machine
+from .protocol import flat, interleave, matmul_samples, paired_ratio, read_buffer, read_sampler, summary
+
+# Working sets: DRAM is far past the 32 MB last-level cache; L2 fits one core's 1 MB L2.
+DRAM_SHAPE = {"q4": (57344, 8192), "q8": (30720, 8192)}     # about 264 and 267 MB
+L2_SHAPE = {"q4": (256, 4096), "q8": (128, 4096)}            # about 590 and 557 KB
+QUICK_DRAM_SHAPE = {"q4": (8192, 8192), "q8": (4096, 8192)}  # ~38 MB: still past the LLC
+
+
+def kernel_records(fmt: str, shape, ks, pool: kernels.Pool, working_set: str, path: int,
+                   peak_gmacs: float, rounds: int, reps: int, reader=None, chunk: int | str = "guided",
+                   peak=None) -> list[dict]:
+    """Times each k (interleaved); with `reader`, read-bandwidth samples ride in the same
+    rounds and each share of bandwidth is a paired ratio. Shares of the issue peak are against
+    `peak_gmacs`, or with `peak` (a `dot_sampler` riding in the same rounds) against the
+    fastest of it and `peak_gmacs`, so a clock that rose during the run raises the peak too."""
+    rows, cols = shape
+    W = kernels.pack(kernels.random_qtensor(fmt, rows, cols, seed=rows))
+    rng = np.random.default_rng(0)
+    acts = {k: kernels.Acts(rng.standard_normal((k, cols), dtype=np.float32), native.PATHS[path]) for k in ks}
+    code = kernels.split_code(chunk)
+    cands = {k: (lambda a=acts[k]: [W.nbytes / s / 1e9 for s in matmul_samples(W, a, pool, path, code, reps)])
+             for k in ks}
+    if reader:
+        cands["read"] = reader
+    if peak:
+        cands["peak"] = peak
+    samples = interleave(cands, rounds)
+    top = max([peak_gmacs or 0.0, *flat(samples["peak"])]) if peak else peak_gmacs
+    head = {"threads": pool.threads, "working_set": working_set, "rows": rows, "cols": cols,
+            "weight_bytes": W.nbytes, "path": native.PATHS[path]}
+    return [{"kernel": fmt, "k": k, **head, **_rates(samples, k, W.nbytes, rows * cols * k, top, pool.threads)}
+            for k in ks]
+
+
+def _rates(samples: dict, k: int, nbytes: int, macs: int, top: float | None, threads: int) -> dict:
+    """One k's time, GB/s and GMAC/s, and its shares of the read ceiling and of the issue peak."""
+    st = summary(flat(samples[k]))
+    t = nbytes / st["median"] / 1e9
+    share = paired_ratio(samples[k], samples["read"]) if "read" in samples else None
+    return {"ms": t * 1e3, "ms_per_token": t * 1e3 / k,
+            "gbps": st["median"], "gbps_iqr": st["iqr"], "gmacs": macs / t / 1e9,
+            "read_gbps": float(np.median(flat(samples["read"]))) if share else None,
+            "share_of_bandwidth": share["median"] if share else None,
+            "share_of_bandwidth_iqr": share["iqr"] if share else None,
+            "peak_gmacs": top, "share_of_peak": macs / t / 1e9 / (top * threads) if top else None}
+
+
+def l2_records(fmt: str, ks, path: int, peak: dict, rounds: int, reps: int) -> list[dict]:
+    """The kernel on an L2-resident matrix at one thread against the issue peak, whose best
+    loop is timed again in the same rounds (`kernel_records`)."""
+    rider = dot_sampler(peak["path"], best_variant(peak["variants"])["index"], 4_000_000, 3)
+    return kernel_records(fmt, L2_SHAPE[fmt], ks, kernels.Pool(1), "l2", path, peak["gmacs"], rounds, reps, peak=rider)
+
+
+def kernels_bench(ks=(1, 2, 4, 8, 16), fmts=("q4", "q8"), threads: int | None = None,
+                  quick: bool = False, path: str | None = None) -> dict:
+    """GMAC/s and GB/s of each kernel for each k: a DRAM-resident matrix at all threads,
+    its read ceiling sampled in the same rounds; an L2-resident one at one thread against
+    the dot-product issue peak (`dot_peak`), its best loop timed again in the same rounds."""
+    p = native.path_id(path)
+    n = len(os.sched_getaffinity(0)) if threads is None else threads
+    peak = dot_peak(native.PATHS[p], n=4_000_000 if quick else 32_000_000, reps=5 if quick else 7)
+    rounds, reps = (3, 2) if quick else (9, 3)
+    pool_all = kernels.Pool(n)
+    buf, _owner = read_buffer((64 if quick else 512) << 20)
+    reader = read_sampler(buf, pool_all)
+    reader()                                              # warm-up: page faults
+    records = []
+    for fmt in fmts:
+        dram = (QUICK_DRAM_SHAPE if quick else DRAM_SHAPE)[fmt]
+        records += kernel_records(fmt, dram, ks, pool_all, "dram", p, peak["gmacs"], rounds, reps, reader)
+        records += l2_records(fmt, ks, p, peak, rounds * 3, reps * 5)
+    read_gbps = float(np.median([r["read_gbps"] for r in records if r["read_gbps"]]))
+    for r in records:                                     # cache-resident: against the DRAM ceiling
+        if r["share_of_bandwidth"] is None:
+            r["share_of_bandwidth"] = r["gbps"] / read_gbps
+    return {"machine": machine(), "path": native.PATHS[p], "threads": n,
+            "read_gbps": read_gbps, "dot_peak_gmacs": peak["gmacs"],
+            "dot_peak_iqr": peak["gmacs_iqr"], "dot_peak_variant": peak["variant"],
+            "dot_peak_variants": peak["variants"], "results": records}

@@ -1,0 +1,104 @@
+"""The measuring protocol (docs/science.md §7) and the timed calls it is applied to.
+
+Warm up; interleave the things compared (A B A B ...); report medians with the
+interquartile range; measure the ceiling in the same run as what is compared with it.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from . import kernels, native
+
+
+def summary(samples) -> dict:
+    """Median and interquartile range of a list of timings (or rates)."""
+    a = np.asarray(samples, dtype=np.float64)
+    q1, med, q3 = np.percentile(a, [25, 50, 75])
+    return {"median": float(med), "q1": float(q1), "q3": float(q3), "iqr": float(q3 - q1), "n": int(a.size)}
+
+
+def interleave(candidates: dict[str, Callable[[], list[float]]], rounds: int) -> dict[str, list[list[float]]]:
+    """Run each candidate once per round, in turn (A B A B ...): name -> one list of samples per round."""
+    out: dict[str, list[list[float]]] = {name: [] for name in candidates}
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            out[name].append(list(fn()))
+    return out
+
+
+def flat(rounds: list[list[float]]) -> list[float]:
+    return [x for r in rounds for x in r]
+
+
+def paired_ratio(a: list[list[float]], b: list[list[float]]) -> dict:
+    """Median and IQR over rounds of median(a) / median(b) within each round: on a shared
+    machine, neighbours in time see the same noise, so their ratio is steadier than
+    the ratio of the two overall medians."""
+    return summary([np.median(x) / np.median(y) for x, y in zip(a, b)])
+
+
+# ----------------------------------------------------------------------------
+# The read ceiling, sampled beside what is compared with it
+# ----------------------------------------------------------------------------
+
+def read_buffer(nbytes: int):
+    """A buffer allocated like the kernels' weights (2 MB pages where allowed), filled with
+    random bytes -> (array, owner); keep the owner alive as long as the array."""
+    ns = native.lib()
+    owner = ns.Buffer(nbytes)
+    view = owner.data()
+    view.reshape((nbytes,))
+    buf = np.frombuffer(view, dtype=np.uint8)
+    ns.fill_random(buf, nbytes, 1)
+    return buf, owner
+
+
+def read_sampler(buf: np.ndarray, pool: kernels.Pool, reps: int = 3) -> Callable[[], list[float]]:
+    """One call: `reps` read passes over buf -> GB/s each."""
+    ns = native.lib()
+
+    def sample():
+        secs = np.zeros(reps)
+        ns.bench_read(buf, buf.size, pool._pool, reps, secs)
+        return list(buf.size / secs / 1e9)
+    return sample
+
+
+# ----------------------------------------------------------------------------
+# Timed calls: C++ times each repeat, so no Python sits inside a timing
+# ----------------------------------------------------------------------------
+
+def matmul_samples(W, acts, pool, path, chunk, reps) -> list[float]:
+    """Seconds for each of reps products of the packed W with acts."""
+    ns = native.lib()
+    y = np.empty((acts.k, W.rows), np.float32)
+    secs = np.zeros(reps)
+    rc = ns.bench_matmul(W.view(), acts._acts, y, path, kernels._pool_ptr(pool), chunk, reps, secs)
+    if rc:
+        raise RuntimeError(f"bench_matmul failed with code {rc}")
+    return list(secs)
+
+
+def forward_samples(engine, tokens: np.ndarray, pos: int, reps: int) -> list[float]:
+    """Seconds for each of reps passes over tokens at pos: one token's pass makes the last
+    logits (a decode step), k tokens' every position's (a verification)."""
+    ns = native.lib()
+    k = tokens.size
+    mode = native.consts().logits["last" if k == 1 else "all"]
+    logits = np.zeros((k, engine.vocab), np.float32)
+    secs = np.zeros(reps)
+    rc = ns.bench_forward(engine._m, tokens, k, pos, mode, engine.pool._pool, engine.path_id, reps, secs, logits)
+    if rc:
+        raise RuntimeError(f"bench_forward failed with code {rc}")
+    return list(secs)
+
+
+def fill(engine, context: int, *others) -> np.ndarray:
+    """Puts the same `context` tokens in the cache of engine and each of `others` (random ids:
+    attention's cost does not read them)."""
+    ids = np.random.default_rng(0).integers(0, engine.vocab, context).astype(np.int32)
+    for e in (engine, *others):
+        e.forward(ids, 0, logits="none")
+    return ids

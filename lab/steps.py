@@ -1,0 +1,111 @@
+"""An engine's passes timed: decode steps against the read ceiling (`lab bench decode`), and
+draft steps, target steps and verifications under each thread configuration."""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+
+import numpy as np
+
+from . import kernels
+from .machine import machine
+from .protocol import fill, flat, forward_samples, interleave, paired_ratio, read_buffer, read_sampler, summary
+
+
+def decode_bench(engine, context: int = 256, rounds: int = 7, reps: int = 5, stages: bool = False) -> dict:
+    """One-token decode steps at a fixed context (the output layer included), paired round by
+    round with read passes: tokens/s, bytes read per token, share of the read ceiling.
+    stages=True also times each stage of the pass (`stage_records`)."""
+    tok = fill(engine, context)[-1:].copy()
+    buf, _owner = read_buffer(512 << 20)
+    reader = read_sampler(buf, engine.pool)
+    reader()
+    per_round = []                          # stage seconds per pass, one dict a round
+
+    def step():
+        engine.profile(stages)
+        secs = forward_samples(engine, tok, context, reps)
+        if stages:
+            per_round.append({k: v / (reps + 1) for k, v in engine.stage_seconds().items()})   # + the warm-up pass
+            engine.profile(False)
+        return [engine.weight_bytes / s / 1e9 for s in secs]
+    samples = interleave({"step": step, "read": reader}, rounds)
+    out = {"machine": machine(), "file": str(engine.file), "threads": engine.pool.threads, "context": context,
+           **_decode_rates(samples, engine.weight_bytes)}
+    if stages:
+        out["stages"] = stage_records(per_round, engine.stage_bytes(), [np.median(r) for r in samples["read"]])
+    return out
+
+
+def _decode_rates(samples: dict, nbytes: int) -> dict:
+    """Tokens/s and GB/s of the steps, and their share of the read passes beside them."""
+    share = paired_ratio(samples["step"], samples["read"])
+    gbps = summary(flat(samples["step"]))["median"]
+    tps = gbps * 1e9 / nbytes
+    return {"tokens_per_s": tps, "ms_per_token": 1e3 / tps, "bytes_per_token": nbytes,
+            "read_gbps": float(np.median(flat(samples["read"]))), "gbps": gbps,
+            "share_of_ceiling": share["median"], "share_of_ceiling_iqr": share["iqr"]}
+
+
+def stage_records(per_round: list[dict], nbytes: dict, read_gbps: list[float]) -> list[dict]:
+    """Per stage: median ms per pass, its part of the pass, and for the stages that stream
+    weights their GB/s and share of the read ceiling, each paired with its round's read passes."""
+    out = []
+    for name in per_round[0]:
+        secs = [r[name] for r in per_round]
+        parts = [r[name] / sum(r.values()) for r in per_round]
+        rec = {"stage": name, "ms": float(np.median(secs)) * 1e3, "part": float(np.median(parts)),
+               "bytes": nbytes[name]}
+        if nbytes[name]:
+            rec["gbps"] = float(np.median([nbytes[name] / s / 1e9 for s in secs]))
+            rec["share_of_ceiling"] = float(np.median([nbytes[name] / s / 1e9 / g for s, g in zip(secs, read_gbps)]))
+        out.append(rec)
+    return out
+
+
+SPLITS = {"static": 0, "dynamic": 8, "guided": "guided"}   # names -> Engine.set_chunk
+
+
+def threads_bench(target, draft, context: int = 256, gamma: int = 4, rounds: int = 5, reps: int = 3,
+                  max_threads: int | None = None) -> list[dict]:
+    """A draft step, a target step and a verification pass (gamma + 1 tokens), each timed under
+    every configuration: thread count, pinned or not, and the split of tiles — static halves,
+    fixed 8-tile hand-outs ("dynamic") or shrinking shares ("guided", the engine's default).
+    The engines get their own pools and the guided split back afterwards."""
+    n = len(os.sched_getaffinity(0)) if max_threads is None else max_threads
+    configs = [(t, pin, split) for t in range(1, n + 1) for pin in ((True, False) if t > 1 else (True,))
+               for split in (SPLITS if t > 1 else ("static",))]
+    rows = []
+    for t, pin, split in configs:
+        with _configured((target, draft), kernels.Pool(t, pin=pin), split):
+            rows += [{"phase": phase, "threads": t, "pinned": pin, "split": split, **ms,
+                      "config": f"{t} thr, {'pinned' if pin else 'unpinned'}, {split}"}
+                     for phase, ms in _phases(target, draft, context, gamma, rounds, reps).items()]
+    return rows
+
+
+@contextmanager
+def _configured(engines, pool: kernels.Pool, split: str):
+    """The engines on `pool` with `split`, for the block's length."""
+    saved = [e.pool for e in engines]
+    for e in engines:
+        e.pool = pool
+        e.set_chunk(SPLITS[split])
+    try:
+        yield
+    finally:
+        for e, p in zip(engines, saved):
+            e.pool = p
+            e.set_chunk("guided")
+
+
+def _phases(target, draft, context: int, gamma: int, rounds: int, reps: int) -> dict[str, dict]:
+    """Median and IQR ms of a draft step, a target step and a verification, interleaved."""
+    ids = fill(target, context, draft)
+    one = ids[-1:].copy()
+    batch = np.resize(ids, gamma + 1).astype(np.int32)
+    cands = {"draft step": lambda: forward_samples(draft, one, context, reps),
+             "target step": lambda: forward_samples(target, one, context, reps),
+             f"verification (k={gamma + 1})": lambda: forward_samples(target, batch, context, reps)}
+    stats = {phase: summary(flat(secs)) for phase, secs in interleave(cands, rounds).items()}
+    return {phase: {"ms": st["median"] * 1e3, "ms_iqr": st["iqr"] * 1e3} for phase, st in stats.items()}
