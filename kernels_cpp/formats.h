@@ -1,4 +1,5 @@
-// formats.h — the lab's block formats and fp16 conversion.
+// formats.h — the lab's block formats, where their blocks lie in the packed tiles, and fp16
+// conversion.
 //
 // The shapes follow ggml's Q8_0 and Q4_0 so a GGUF path stays open, but tensors are
 // stored split: all of a tensor's fp16 scales first, then all of its quantized bytes.
@@ -7,6 +8,8 @@
 #pragma once
 #include <cstdint>
 #include <cstring>
+
+#include "lab.h"   // TILE and the Format codes the tile layout is made of
 
 namespace lab {
 
@@ -28,15 +31,43 @@ struct BlockQ4 {            // 4-bit weights: value = (q - 8) * d
 };
 static_assert(sizeof(BlockQ4) == 18, "BlockQ4 must match ggml's Q4_0");
 
-struct BlockA8 {            // 8-bit activations: value = q * d
-    float d;                // fp32 scale
-    int32_t s;              // sum of q, for the offset identity sum((q-8)x) = sum(qx) - 8 sum(x)
-    int8_t q[QK];
-};
-static_assert(sizeof(BlockA8) == 40, "BlockA8 is scale + sum + 32 bytes");
+// Sizes read off the structs, so the ggml shapes above are their only statement.
+constexpr int SCALE_BYTES = sizeof(BlockQ8::d);     // one fp16 scale, in either format
+constexpr int Q4_BYTES = sizeof(BlockQ4::q);        // quantized bytes per block
+constexpr int Q8_BYTES = sizeof(BlockQ8::q);
+static_assert(sizeof(BlockQ4::d) == SCALE_BYTES, "both formats share the scales region's type");
 
-constexpr int Q4_BYTES = QK / 2;  // quantized bytes per block
-constexpr int Q8_BYTES = QK;
+constexpr int block_bytes(int fmt) { return fmt == FMT_Q4 ? Q4_BYTES : Q8_BYTES; }
+
+// ----------------------------------------------------------------------------
+// The packed tile layout (lab.h, PackedMat): where each tile's blocks lie
+// ----------------------------------------------------------------------------
+
+// A chunk holds four bytes of each of a tile's rows: each row's bytes fill one 32-bit lane,
+// and a chunk is one cache line and one 512-bit register.
+constexpr int CHUNK_ROW = 4;                      // one row's bytes in a chunk
+constexpr int CHUNK = TILE * CHUNK_ROW;           // a chunk's bytes
+static_assert(CHUNK == 64, "a chunk is one cache line and one 512-bit register");
+static_assert(Q4_BYTES % CHUNK_ROW == 0 && Q8_BYTES % CHUNK_ROW == 0, "a block fills whole chunks");
+
+constexpr int block_chunks(int fmt) { return block_bytes(fmt) / CHUNK_ROW; }
+constexpr int64_t tile_count(int64_t rows) { return (rows + TILE - 1) / TILE; }
+
+// Tiles follow each other, and in a tile its nb blocks: each block's TILE scales in the
+// scales region, its TILE rows of bytes (block_chunks chunks) in the bytes region.
+struct TileOffsets {
+    int64_t d, q;           // the block's first scale and first byte
+};
+constexpr TileOffsets tile_offsets(int fmt, int nb, int64_t tile, int b) {
+    const int64_t tb = tile * nb + b;
+    return {tb * TILE, tb * TILE * block_bytes(fmt)};
+}
+// Row `lane`'s bytes of chunk c, from the block's first byte.
+constexpr int chunk_offset(int c, int lane) { return c * CHUNK + lane * CHUNK_ROW; }
+
+static_assert(tile_offsets(FMT_Q4, 1, 0, 1).q == block_chunks(FMT_Q4) * CHUNK &&
+              tile_offsets(FMT_Q8, 1, 0, 1).q == block_chunks(FMT_Q8) * CHUNK,
+              "a block's bytes are its chunks, back to back");
 
 // ----------------------------------------------------------------------------
 // fp16 <-> fp32, round to nearest even (what numpy's astype(float16) does)

@@ -163,14 +163,14 @@ int Generator::run(const int32_t* prompt, int n_prompt, const GenParams& gp, int
     // draft's confidence (its top probability, warped when sampling).
     auto pick = [&](int g, float* conf) -> int32_t {
         if (greedy) {
-            const int j = argmax(dl.data(), DV);
-            *conf = need_conf ? top_probability(dl.data(), DV, scratch.data()) : 1.f;
+            const int j = argmax(dl.data(), DV, path_);
+            *conf = need_conf ? top_probability(dl.data(), DV, scratch.data(), path_) : 1.f;
             return dids ? dids[j] : j;
         }
         float* qg = &q[(size_t)g * V];
         float* w = dids ? qc.data() : qg;
-        warp(dl.data(), DV, gp.sample, w);
-        const int j = sample(w, DV, rng);
+        warp(dl.data(), DV, gp.sample, w, path_);
+        const int j = sample(w, DV, rng, path_);
         *conf = *std::max_element(w, w + DV);
         if (dids)
             for (int i = 0; i < DV; i++) qg[dids[i]] = w[i];     // q is 0 off the trimmed set
@@ -263,16 +263,16 @@ int Generator::run(const int32_t* prompt, int n_prompt, const GenParams& gp, int
             int32_t tok;
             bool ok;
             if (greedy) {
-                tok = argmax(li, V);
+                tok = argmax(li, V, path_);
                 ok = tok == guess[i];
             } else {
-                warp(li, V, gp.sample, p.data());
+                warp(li, V, gp.sample, p.data(), path_);
                 if (kind == ROUND_DRAFT) {
-                    tok = accept_or_resample(p.data(), &q[(size_t)i * V], V, guess[i], rng, &ok);
+                    tok = accept_or_resample(p.data(), &q[(size_t)i * V], V, guess[i], rng, &ok, path_);
                 } else {                           // a lookup guess is a point mass: accept with p(x)
                     ok = rng.uniform() < p[guess[i]];
                     if (ok) tok = guess[i];
-                    else { p[guess[i]] = 0.f; tok = sample(p.data(), V, rng); }   // sample() renormalises
+                    else { p[guess[i]] = 0.f; tok = sample(p.data(), V, rng, path_); }   // sample() renormalises
                 }
             }
             if (ok) n_acc++;
@@ -283,8 +283,8 @@ int Generator::run(const int32_t* prompt, int n_prompt, const GenParams& gp, int
         if (all && !stop) {                      // every guess taken: the bonus token
             const float* lb = &tl[(size_t)g * V];
             int32_t tok;
-            if (greedy) tok = argmax(lb, V);
-            else { warp(lb, V, gp.sample, p.data()); tok = sample(p.data(), V, rng); }
+            if (greedy) tok = argmax(lb, V, path_);
+            else { warp(lb, V, gp.sample, p.data(), path_); tok = sample(p.data(), V, rng, path_); }
             ctx.push_back(tok);
             stop = emit(tok, out, gp);
         }

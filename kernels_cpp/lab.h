@@ -351,16 +351,21 @@ struct SampleParams {
     float top_p = 1.f;               // 1: off
 };
 
+// Sampling takes the kernel path as the matmuls do: its AVX2 code on every SIMD path, the
+// scalar reference on PATH_SCALAR (and on a path this CPU lacks). sampler_name says which
+// ("avx2" or "scalar") a path gets.
+const char* sampler_name(int path);
+
 // The first index holding the largest of x[0..n): every greedy pick.
-int argmax(const float* x, int n);
+int argmax(const float* x, int n, int path);
 
 // The largest probability of softmax(logits[n]) (scratch: n floats): a greedy draft's
 // confidence in its guess.
-float top_probability(const float* logits, int n, float* scratch);
+float top_probability(const float* logits, int n, float* scratch, int path);
 
 // Warps logits[n] into probabilities (temperature, top-k, top-p); greedy puts all mass on
 // the argmax. The distribution every sample and every acceptance test uses.
-void warp(const float* logits, int n, const SampleParams& sp, float* probs);
+void warp(const float* logits, int n, const SampleParams& sp, float* probs, int path);
 
 struct Rng {                         // xoshiro256**, seeded through splitmix64
     uint64_t s[4];
@@ -370,14 +375,14 @@ struct Rng {                         // xoshiro256**, seeded through splitmix64
 };
 // Draws an index with probability probs[i] / (their sum): the weights need not add up to 1,
 // entries <= 0 are never drawn (all of them <= 0: the argmax).
-int sample(const float* probs, int n, Rng& rng);
+int sample(const float* probs, int n, Rng& rng, int path);
 
 // docs/science.md §4: accept draft token x with probability min(1, p(x)/q(x)); on rejection
 // draw from max(0, p - q) renormalised. Returns x when accepted, else the resampled token;
 // *accepted says which.
-int accept_or_resample(const float* p, const float* q, int n, int x, Rng& rng, bool* accepted);
+int accept_or_resample(const float* p, const float* q, int n, int x, Rng& rng, bool* accepted, int path);
 // For tests: `draws` times, x ~ q then accept_or_resample; out[i] is the token that results.
-void accept_trials(const float* p, const float* q, int n, int draws, uint64_t seed, int32_t* out);
+void accept_trials(const float* p, const float* q, int n, int draws, uint64_t seed, int32_t* out, int path);
 
 // GEN_AUTO: each round chooses prompt lookup, the draft model or a plain step, and how
 // many guesses, from the Policy.

@@ -43,32 +43,29 @@ namespace scalar {
 template <int FMT>
 static int32_t block_dot(const uint8_t* qb, int lane, const int8_t* a) {
     int32_t sum = 0;
-    if (FMT == FMT_Q4) {
-        for (int c = 0; c < 4; c++)
-            for (int j = 0; j < 4; j++) {
-                const uint8_t v = qb[c * 64 + lane * 4 + j];
-                sum += ((v & 15) - 8) * a[4 * c + j] + ((v >> 4) - 8) * a[16 + 4 * c + j];
-            }
-    } else {
-        for (int c = 0; c < 8; c++)
-            for (int j = 0; j < 4; j++) sum += (qb[c * 64 + lane * 4 + j] - 128) * a[4 * c + j];
-    }
+    for (int c = 0; c < block_chunks(FMT); c++)
+        for (int j = 0; j < CHUNK_ROW; j++) {
+            const uint8_t v = qb[chunk_offset(c, lane) + j];
+            if (FMT == FMT_Q4)
+                sum += ((v & 15) - 8) * a[4 * c + j] + ((v >> 4) - 8) * a[QK / 2 + 4 * c + j];
+            else
+                sum += (v - 128) * a[4 * c + j];
+        }
     return sum;
 }
 
 template <int FMT>
 static void tiles(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1) {
     const int nb = W.cols / QK, k = A.k();
-    constexpr int CH = FMT == FMT_Q4 ? 4 : 8;
     float acc[MAX_K][TILE];
     for (int tile = t0; tile < t1; tile++) {
         for (int t = 0; t < k; t++)
             for (int i = 0; i < TILE; i++) {
                 float sum = 0.f;
                 for (int b = 0; b < nb; b++) {
-                    const int64_t tb = (int64_t)tile * nb + b;
-                    const int32_t isum = block_dot<FMT>(W.q + tb * CH * 64, i, A.q(t) + b * QK);
-                    sum = std::fmaf((float)isum, fp16_to_fp32(W.d[tb * TILE + i]) * A.d(t)[b], sum);
+                    const TileOffsets at = tile_offsets(FMT, nb, tile, b);
+                    const int32_t isum = block_dot<FMT>(W.q + at.q, i, A.q(t) + b * QK);
+                    sum = std::fmaf((float)isum, fp16_to_fp32(W.d[at.d + i]) * A.d(t)[b], sum);
                 }
                 acc[t][i] = sum;
             }
@@ -185,24 +182,26 @@ template <int FMT, int G, int K, bool SINGLE, bool PREFETCH_AHEAD>
 static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int tok0, float (*acc)[TILE],
                              int64_t ahead, int64_t ahead_l2) {
     const int nb = W.cols / QK;
-    constexpr int CH = FMT == FMT_Q4 ? 4 : 8;
+    constexpr int CH = block_chunks(FMT);
     const __m512i nib = _mm512_set1_epi8(0x0f);
-    const uint16_t* dt = W.d + (int64_t)tile * nb * TILE;
-    const uint8_t* qt = W.q + (int64_t)tile * nb * CH * 64;
+    const TileOffsets start = tile_offsets(FMT, nb, tile, 0);
+    const uint16_t* dt = W.d + start.d;
+    const uint8_t* qt = W.q + start.q;
     __m512 vacc[G];
     for (int t = 0; t < G; t++) vacc[t] = _mm512_setzero_ps();
     for (int b = 0; b < nb; b++) {
-        const uint8_t* qb = qt + (int64_t)b * CH * 64;
+        const TileOffsets at = tile_offsets(FMT, nb, 0, b);     // from the tile's start
+        const uint8_t* qb = qt + at.q;
         // the weights stream from memory once: ask for them well before they are needed
         if (PREFETCH_AHEAD) {
-            for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + ahead + g * 64), _MM_HINT_T0);
+            for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + ahead + g * CHUNK), _MM_HINT_T0);
             if (!SINGLE)
-                for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + ahead_l2 + g * 64), _MM_HINT_T2);
+                for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + ahead_l2 + g * CHUNK), _MM_HINT_T2);
         }
-        const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(dt + b * TILE)));
+        const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(dt + at.d)));
         __m512i w[8];                                   // w[j] meets activation bytes 4j..4j+3
         for (int g = 0; g < CH; g++) {
-            const __m512i x = _mm512_load_si512(qb + g * 64);
+            const __m512i x = _mm512_load_si512(qb + g * CHUNK);
             if (FMT == FMT_Q4) {
                 w[g] = _mm512_and_si512(x, nib);
                 w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(x, 4), nib);
@@ -232,7 +231,7 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
 template <int FMT, int K, bool SINGLE>
 static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1, const Tuning& tn) {
     constexpr int G1 = K <= 8 ? K : (K + 1) / 2, G2 = K - G1;
-    constexpr int CH = FMT == FMT_Q4 ? 4 : 8;
+    constexpr int CH = block_chunks(FMT);
     const int64_t ahead = (int64_t)(SINGLE ? tn.prefetch_k1 : tn.prefetch_l1_k) * CH / 4;
     const int64_t ahead_l2 = (int64_t)tn.prefetch_l2_k * CH / 4;
     alignas(64) float acc[K][TILE];
@@ -284,7 +283,7 @@ QMat make_qmat(int fmt, int rows, int cols, const uint16_t* d, const uint8_t* q)
 int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path, ThreadPool* pool, int chunk) {
     if (W.fmt != FMT_Q4 && W.fmt != FMT_Q8) return MM_BAD_FORMAT;
     if (W.cols != A.cols() || W.cols % QK != 0 || W.rows < 1 || ldy < W.rows ||
-        W.tiles != (W.rows + TILE - 1) / TILE)
+        W.tiles != tile_count(W.rows))
         return MM_SHAPE;
     if (A.k() < 1 || A.k() > MAX_K) return MM_BAD_K;
     if (!path_supported(path)) return MM_PATH_UNSUPPORTED;

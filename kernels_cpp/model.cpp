@@ -498,14 +498,14 @@ void Model::Impl::embed_row(int tok, float* out) const {
         std::memcpy(out, embed.f32 + (int64_t)tok * H, H * sizeof(float));
         return;
     }
-    const int nb = H / QK, tile = tok / TILE, lane = tok % TILE, ch = embed.fmt == FMT_Q4 ? 4 : 8;
+    const int nb = H / QK, tile = tok / TILE, lane = tok % TILE, ch = block_chunks(embed.fmt);
     for (int b = 0; b < nb; b++) {
-        const int64_t tb = (int64_t)tile * nb + b;
-        const float d = fp16_to_fp32(embed.pm.d[tb * TILE + lane]);
-        const uint8_t* q = embed.pm.q + tb * ch * 64 + lane * 4;
+        const TileOffsets at = tile_offsets(embed.fmt, nb, tile, b);
+        const float d = fp16_to_fp32(embed.pm.d[at.d + lane]);
+        const uint8_t* q = embed.pm.q + at.q;
         for (int c = 0; c < ch; c++)
-            for (int j = 0; j < 4; j++) {
-                const uint8_t v = q[c * 64 + j];
+            for (int j = 0; j < CHUNK_ROW; j++) {
+                const uint8_t v = q[chunk_offset(c, lane) + j];
                 if (embed.fmt == FMT_Q4) {
                     out[b * QK + 4 * c + j] = (float)((v & 15) - 8) * d;
                     out[b * QK + 16 + 4 * c + j] = (float)((v >> 4) - 8) * d;
@@ -543,7 +543,7 @@ int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, T
     lap(STAGE_QUANTIZE);
     PackedMat pm = W.pm;
     pm.rows = rows;
-    pm.tiles = (rows + TILE - 1) / TILE;
+    pm.tiles = (int)tile_count(rows);
     const int rc = matmul(pm, acts, y, ldy, path, pool, chunk_tiles);
     lap(stage);
     return rc == MM_OK ? E_OK : E_PATH;

@@ -91,7 +91,7 @@ bool ModelFile::check_tensor(const TensorEntry& e, uint32_t i, const FileHeader&
     if (e.fmt == FMT_Q8 || e.fmt == FMT_Q4) {
         if (e.cols % QK)
             return fail("tensor %s has %llu columns, not a multiple of 32", e.name, (unsigned long long)e.cols);
-        want_s = (uint64_t)packed_scale_count((int)e.rows, (int)e.cols) * 2;
+        want_s = (uint64_t)packed_scale_count((int)e.rows, (int)e.cols) * SCALE_BYTES;
         want_d = (uint64_t)packed_byte_count((int)e.fmt, (int)e.rows, (int)e.cols);
     }
     if (e.scales_bytes != want_s || e.data_bytes != want_d)
@@ -161,7 +161,7 @@ const TensorEntry* ModelFile::find(const char* name) const {
 
 PackedMat ModelFile::matrix(const TensorEntry* e) const {
     const uint8_t* p = data(e);
-    return PackedMat{(int)e->fmt, (int)e->rows, (int)e->cols, (int)((e->rows + TILE - 1) / TILE),
+    return PackedMat{(int)e->fmt, (int)e->rows, (int)e->cols, (int)tile_count((int64_t)e->rows),
                      (const uint16_t*)p, p + (e->scales_bytes + 63) / 64 * 64};
 }
 

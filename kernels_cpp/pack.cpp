@@ -11,15 +11,15 @@
 namespace lab {
 
 int64_t packed_scale_count(int rows, int cols) {
-    return ((int64_t)rows + TILE - 1) / TILE * TILE * (cols / QK);   // rows near 2^31 must not wrap
+    return tile_count(rows) * TILE * (cols / QK);   // in 64 bits: rows near 2^31 must not wrap
 }
 
 int64_t packed_byte_count(int fmt, int rows, int cols) {
-    return packed_scale_count(rows, cols) * (fmt == FMT_Q4 ? Q4_BYTES : Q8_BYTES);
+    return packed_scale_count(rows, cols) * block_bytes(fmt);
 }
 
 int64_t packed_nbytes(int fmt, int rows, int cols) {
-    return packed_scale_count(rows, cols) * 2 + packed_byte_count(fmt, rows, cols);
+    return packed_scale_count(rows, cols) * SCALE_BYTES + packed_byte_count(fmt, rows, cols);
 }
 
 // Big matrices go on 2 MB pages where the kernel allows: a decode step walks every byte
@@ -44,10 +44,10 @@ int64_t Packed::nbytes() const {
 int Packed::pack(const QMat& W) {
     if (W.fmt != FMT_Q4 && W.fmt != FMT_Q8) return MM_BAD_FORMAT;
     if (W.rows < 1 || W.cols < QK || W.cols % QK) return MM_SHAPE;
-    const int nb = W.cols / QK, tiles = (W.rows + TILE - 1) / TILE;
-    const int bpb = W.fmt == FMT_Q4 ? Q4_BYTES : Q8_BYTES, chunks = bpb / 4;
+    const int nb = W.cols / QK, tiles = (int)tile_count(W.rows);
+    const int bpb = block_bytes(W.fmt), chunks = block_chunks(W.fmt);
     const int64_t ns = packed_scale_count(W.rows, W.cols), nq = packed_byte_count(W.fmt, W.rows, W.cols);
-    const int64_t dbytes = (ns * 2 + 63) / 64 * 64;
+    const int64_t dbytes = (ns * SCALE_BYTES + 63) / 64 * 64;
     std::free(mem_);
     mem_ = alloc_huge((size_t)(dbytes + (nq + 63) / 64 * 64));
     uint16_t* d = (uint16_t*)mem_;
@@ -55,19 +55,19 @@ int Packed::pack(const QMat& W) {
     const uint8_t flip = W.fmt == FMT_Q8 ? 0x80 : 0;   // q8 bytes enter vpdpbusd unsigned
     for (int t = 0; t < tiles; t++) {
         for (int b = 0; b < nb; b++) {
-            const int64_t tb = (int64_t)t * nb + b;
+            const TileOffsets at = tile_offsets(W.fmt, nb, t, b);
+            uint8_t* dst = q + at.q;
             for (int i = 0; i < TILE; i++) {
                 const int r = t * TILE + i;
-                uint8_t* dst = q + tb * chunks * 64 + i * 4;
                 if (r >= W.rows) {
-                    d[tb * TILE + i] = 0;
-                    for (int c = 0; c < chunks; c++) std::memset(dst + c * 64, flip, 4);
+                    d[at.d + i] = 0;
+                    for (int c = 0; c < chunks; c++) std::memset(dst + chunk_offset(c, i), flip, CHUNK_ROW);
                     continue;
                 }
-                d[tb * TILE + i] = W.d[(int64_t)r * nb + b];
+                d[at.d + i] = W.d[(int64_t)r * nb + b];
                 const uint8_t* src = W.q + ((int64_t)r * nb + b) * bpb;
                 for (int c = 0; c < chunks; c++)
-                    for (int j = 0; j < 4; j++) dst[c * 64 + j] = src[c * 4 + j] ^ flip;
+                    for (int j = 0; j < CHUNK_ROW; j++) dst[chunk_offset(c, i) + j] = src[c * CHUNK_ROW + j] ^ flip;
             }
         }
     }
@@ -80,22 +80,22 @@ int Packed::gather(const PackedMat& src, const int32_t* rows, int n) {
     if (n < 1) return MM_SHAPE;
     for (int i = 0; i < n; i++)
         if (rows[i] < 0 || rows[i] >= src.rows) return MM_SHAPE;
-    const int nb = src.cols / QK, tiles = (n + TILE - 1) / TILE, chunks = (src.fmt == FMT_Q4 ? Q4_BYTES : Q8_BYTES) / 4;
+    const int nb = src.cols / QK, tiles = (int)tile_count(n), chunks = block_chunks(src.fmt);
     const int64_t ns = packed_scale_count(n, src.cols), nq = packed_byte_count(src.fmt, n, src.cols);
-    const int64_t dbytes = (ns * 2 + 63) / 64 * 64;
+    const int64_t dbytes = (ns * SCALE_BYTES + 63) / 64 * 64;
     std::free(mem_);
     mem_ = alloc_huge((size_t)(dbytes + (nq + 63) / 64 * 64));
     uint16_t* d = (uint16_t*)mem_;
     uint8_t* q = (uint8_t*)mem_ + dbytes;
-    std::memset(d, 0, (size_t)ns * 2);                      // rows past n: zero scales, the zero byte
+    std::memset(d, 0, (size_t)ns * SCALE_BYTES);            // rows past n: zero scales, the zero byte
     std::memset(q, src.fmt == FMT_Q8 ? 0x80 : 0, (size_t)nq);
     for (int i = 0; i < n; i++) {
         const int st = rows[i] / TILE, sl = rows[i] % TILE, dt = i / TILE, dl = i % TILE;
         for (int b = 0; b < nb; b++) {
-            const int64_t sb = (int64_t)st * nb + b, db = (int64_t)dt * nb + b;
-            d[db * TILE + dl] = src.d[sb * TILE + sl];
+            const TileOffsets from = tile_offsets(src.fmt, nb, st, b), to = tile_offsets(src.fmt, nb, dt, b);
+            d[to.d + dl] = src.d[from.d + sl];
             for (int c = 0; c < chunks; c++)
-                std::memcpy(q + (db * chunks + c) * 64 + dl * 4, src.q + (sb * chunks + c) * 64 + sl * 4, 4);
+                std::memcpy(q + to.q + chunk_offset(c, dl), src.q + from.q + chunk_offset(c, sl), CHUNK_ROW);
         }
     }
     m_ = PackedMat{src.fmt, n, src.cols, tiles, d, q};

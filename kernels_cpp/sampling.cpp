@@ -41,6 +41,12 @@ double Rng::uniform() { return (double)(next() >> 11) * 0x1.0p-53; }
 // The warped distribution
 // ----------------------------------------------------------------------------
 
+// Sampling's vector code needs only AVX2, which every SIMD path has; a path this CPU lacks
+// takes the scalar reference rather than faulting.
+static bool use_avx2(int path) { return path != PATH_SCALAR && path_supported(path); }
+
+const char* sampler_name(int path) { return use_avx2(path) ? "avx2" : "scalar"; }
+
 static int argmax_scalar(const float* x, int n) {
     int best = 0;
     for (int i = 1; i < n; i++)
@@ -67,9 +73,8 @@ static int argmax_avx2(const float* x, int n) {
 }
 #pragma GCC pop_options
 
-int argmax(const float* x, int n) {
-    static const bool simd = path_supported(PATH_AVX2);
-    return simd ? argmax_avx2(x, n) : argmax_scalar(x, n);
+int argmax(const float* x, int n, int path) {
+    return use_avx2(path) ? argmax_avx2(x, n) : argmax_scalar(x, n);
 }
 
 // e^((l - mx) / T) for every logit, and their sum: the part of warping that touches all
@@ -100,29 +105,27 @@ static double softmax_numerators_avx2(const float* l, int n, float mx, float inv
 }
 #pragma GCC pop_options
 
-float top_probability(const float* logits, int n, float* scratch) {
-    static const bool simd = path_supported(PATH_AVX2);
-    const float mx = simd ? max_avx2(logits, n) : logits[argmax_scalar(logits, n)];
-    const double z = simd ? softmax_numerators_avx2(logits, n, mx, 1.f, scratch)
-                          : softmax_numerators_scalar(logits, n, mx, 1.f, scratch);
-    return (float)(1.0 / z);
+// The path's kernel, from the logits' maximum so that no term overflows.
+static double softmax_numerators(const float* l, int n, float inv_t, float* out, int path) {
+    if (use_avx2(path)) return softmax_numerators_avx2(l, n, max_avx2(l, n), inv_t, out);
+    return softmax_numerators_scalar(l, n, l[argmax_scalar(l, n)], inv_t, out);
+}
+
+// The maximum's own numerator is e^0 = 1, so its probability is one over the sum.
+float top_probability(const float* logits, int n, float* scratch, int path) {
+    return (float)(1.0 / softmax_numerators(logits, n, 1.f, scratch, path));
 }
 
 // Top-k keeps the k largest logits, ties broken toward the lower token id; top-p then keeps
 // the shortest prefix of those (most probable first) whose mass reaches top_p.
-void warp(const float* logits, int n, const SampleParams& sp, float* probs) {
-    static const bool simd = path_supported(PATH_AVX2);
+void warp(const float* logits, int n, const SampleParams& sp, float* probs, int path) {
     if (sp.temperature > 0.f && (sp.top_k <= 0 || sp.top_k >= n) && sp.top_p >= 1.f) {
         // temperature alone: no sorting, every entry is written, only the maximum's value counts
-        const float mx = simd ? max_avx2(logits, n) : logits[argmax_scalar(logits, n)];
-        const float inv_t = 1.0f / sp.temperature;
-        const double z = simd ? softmax_numerators_avx2(logits, n, mx, inv_t, probs)
-                              : softmax_numerators_scalar(logits, n, mx, inv_t, probs);
-        const float inv = (float)(1.0 / z);
+        const float inv = (float)(1.0 / softmax_numerators(logits, n, 1.0f / sp.temperature, probs, path));
         for (int i = 0; i < n; i++) probs[i] *= inv;
         return;
     }
-    const int top = argmax(logits, n);
+    const int top = argmax(logits, n, path);
     std::fill(probs, probs + n, 0.f);
     if (sp.temperature <= 0.f) {
         probs[top] = 1.f;
@@ -208,16 +211,11 @@ static double block_sum_avx2(const W& w, int b, int e) {
 }
 #pragma GCC pop_options
 
-template <class W>
-static double block_sum(const W& w, int b, int e) {
-    static const bool simd = path_supported(PATH_AVX2);
-    return simd ? block_sum_avx2(w, b, e) : block_sum_scalar(w, b, e);
-}
-
 // -> the index drawn, or -1 when no weight is positive.
 template <class W>
-static int draw(const W& w, int n, Rng& rng) {
+static int draw(const W& w, int n, Rng& rng, int path) {
     const int nb = (n + DRAW_BLOCK - 1) / DRAW_BLOCK;
+    const auto block_sum = use_avx2(path) ? block_sum_avx2<W> : block_sum_scalar<W>;
     std::vector<double> sums(nb);
     double total = 0;
     for (int b = 0; b < nb; b++) total += sums[b] = block_sum(w, b * DRAW_BLOCK, std::min(n, (b + 1) * DRAW_BLOCK));
@@ -240,26 +238,26 @@ static int draw(const W& w, int n, Rng& rng) {
     return last;                                  // the block's own rounding left u past it
 }
 
-int sample(const float* probs, int n, Rng& rng) {
-    const int i = draw(Probs{probs}, n, rng);
-    return i < 0 ? argmax(probs, n) : i;
+int sample(const float* probs, int n, Rng& rng, int path) {
+    const int i = draw(Probs{probs}, n, rng, path);
+    return i < 0 ? argmax(probs, n, path) : i;
 }
 
-int accept_or_resample(const float* p, const float* q, int n, int x, Rng& rng, bool* accepted) {
+int accept_or_resample(const float* p, const float* q, int n, int x, Rng& rng, bool* accepted, int path) {
     if (q[x] > 0.f && rng.uniform() * q[x] < p[x]) {    // u < p(x)/q(x), without the division
         *accepted = true;
         return x;
     }
     *accepted = false;
     // the residual max(0, p - q), normalised; p itself when p <= q everywhere
-    const int i = draw(Residual{p, q}, n, rng);
-    return i < 0 ? sample(p, n, rng) : i;
+    const int i = draw(Residual{p, q}, n, rng, path);
+    return i < 0 ? sample(p, n, rng, path) : i;
 }
 
-void accept_trials(const float* p, const float* q, int n, int draws, uint64_t seed, int32_t* out) {
+void accept_trials(const float* p, const float* q, int n, int draws, uint64_t seed, int32_t* out, int path) {
     Rng rng(seed);
     bool ok;
-    for (int i = 0; i < draws; i++) out[i] = accept_or_resample(p, q, n, sample(q, n, rng), rng, &ok);
+    for (int i = 0; i < draws; i++) out[i] = accept_or_resample(p, q, n, sample(q, n, rng, path), rng, &ok, path);
 }
 
 }  // namespace lab

@@ -41,15 +41,13 @@ int set_tuning(const Tuning& t) {
 int bench_matmul_slices(const PackedMat& W, int slice_tiles, const QActs& A, float* y, int path,
                         ThreadPool* pool, int chunk, int reps, double* secs) {
     if (slice_tiles < 1 || slice_tiles > W.tiles || W.rows != W.tiles * TILE) return MM_SHAPE;
-    const int64_t nb = W.cols / QK, tile_q = nb * (W.fmt == FMT_Q4 ? 4 : 8) * 64;
-    const int slices = W.tiles / slice_tiles;
+    const int nb = W.cols / QK, slices = W.tiles / slice_tiles;
     PinScope pin(pool);
     auto walk = [&] {
         int rc = MM_OK;
         for (int s = 0; s < slices && rc == MM_OK; s++) {
-            const int64_t t0 = (int64_t)s * slice_tiles;
-            const PackedMat part{W.fmt, slice_tiles * TILE, W.cols, slice_tiles, W.d + t0 * nb * TILE,
-                                 W.q + t0 * tile_q};
+            const TileOffsets at = tile_offsets(W.fmt, nb, (int64_t)s * slice_tiles, 0);
+            const PackedMat part{W.fmt, slice_tiles * TILE, W.cols, slice_tiles, W.d + at.d, W.q + at.q};
             rc = matmul(part, A, y, part.rows, path, pool, chunk);
         }
         return rc;

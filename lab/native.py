@@ -223,7 +223,8 @@ def cpu() -> dict:
     n = int(c.logical_cpus)
     types = {0x40: "performance", 0x20: "efficiency"}
     cores = [types.get(int(ns.core_type(i)), "uniform") for i in range(n)] if flags["hybrid"] else None
-    path = consts().paths[ns.active_path()]
+    active = ns.active_path()
+    path = consts().paths[active]
     return {
         "vendor": bytes(c.vendor).split(b"\0")[0].decode(errors="replace"),
         "model": bytes(c.brand).split(b"\0")[0].decode(errors="replace").strip(),
@@ -235,7 +236,8 @@ def cpu() -> dict:
         "supported_paths": supported_paths(),
         "kernels": {"matmul_q4": path, "matmul_q8": path,
                     "quantize_activations": "scalar" if path == "scalar" else
-                    ("avx512" if path in ("avx512vnni", "vnni256evex") else "avx2")},
+                    ("avx512" if path in ("avx512vnni", "vnni256evex") else "avx2"),
+                    "sampling": str(ns.sampler_name(active))},
     }
 
 

@@ -2,6 +2,8 @@
 tracks its twin; a k-token pass equals k single-token passes bit for bit; greedy
 speculative output equals plain greedy output bit for bit; the acceptance rule samples
 the target's distribution; bad requests are Python exceptions."""
+import ctypes
+import ctypes.util
 import math
 
 import numpy as np
@@ -189,6 +191,11 @@ def test_eos_inside_an_accepted_block_and_budget_mid_round(files, pool):
 # Sampling
 # ----------------------------------------------------------------------------
 
+# The scalar reference and, where this CPU has one, a SIMD path: every SIMD path samples with
+# the same AVX2 code, so one stands for them all.
+SAMPLERS = ["scalar", *simd_paths()[:1]]
+
+
 def chi2_critical(df: int, z: float = 3.29) -> float:
     """Wilson-Hilferty: the chi-square value a correct sampler exceeds with probability ~5e-4."""
     return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
@@ -226,42 +233,44 @@ def torch_warp(logits, temperature, top_k=0, top_p=1.0):
     return out.numpy()
 
 
+@pytest.mark.parametrize("path", SAMPLERS)
 @pytest.mark.parametrize("warp", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (1.0, 6, 0.9)])
-def test_acceptance_rule_chi_square(ns, warp):
+def test_acceptance_rule_chi_square(ns, warp, path):
     """Draft x ~ q, accept with min(1, p/q), else resample from max(0, p - q): x ~ p."""
-    n, draws = 12, 100_000
+    n, draws, path = 12, 100_000, native.path_id(path)
     rng = np.random.default_rng(0)
     T, k, tp = warp
     sp = ns.SampleParams()
     sp.temperature, sp.top_k, sp.top_p = T, k, tp
     p_logits, q_logits = rng.standard_normal(n).astype(np.float32) * 2, rng.standard_normal(n).astype(np.float32)
     p, q = np.zeros(n, np.float32), np.zeros(n, np.float32)
-    ns.warp(p_logits, n, sp, p)
+    ns.warp(p_logits, n, sp, p, path)
     sq = ns.SampleParams()
     sq.temperature = 1.0
-    ns.warp(q_logits, n, sq, q)
+    ns.warp(q_logits, n, sq, q, path)
     np.testing.assert_allclose(p, torch_warp(p_logits, T, k, tp), atol=1e-6)
     out = np.zeros(draws, np.int32)
-    ns.accept_trials(p, q, n, draws, 42, out)
+    ns.accept_trials(p, q, n, draws, 42, out, path)
     counts = np.bincount(out, minlength=n)
     stat, df = chi2(counts, p.astype(np.float64) / p.sum())
     assert stat < chi2_critical(df), (stat, df)
 
 
-def test_sample_draws_from_unnormalised_weights(ns):
+@pytest.mark.parametrize("path", SAMPLERS)
+def test_sample_draws_from_unnormalised_weights(ns, path):
     """sample() across many blocks of its running sum: weights of any total, zeros never drawn."""
-    n, draws = 3000, 60_000
+    n, draws, path = 3000, 60_000, native.path_id(path)
     rng = np.random.default_rng(5)
     w = np.zeros(n, np.float32)
     hot = rng.choice(n, 40, replace=False)                 # spread over the blocks, last entry too
     hot[0] = n - 1
     w[hot] = rng.random(40).astype(np.float32) * 7
     r = ns.Rng(11)
-    counts = np.bincount([ns.sample(w, n, r) for _ in range(draws)], minlength=n)
+    counts = np.bincount([ns.sample(w, n, r, path) for _ in range(draws)], minlength=n)
     stat, df = chi2(counts, w.astype(np.float64) / w.sum())
     assert stat < chi2_critical(df), (stat, df)
-    assert ns.sample(np.zeros(5, np.float32), 5, r) == 0   # nothing positive: the argmax
-    assert ns.sample(np.array([-1, 0, -3], np.float32), 3, r) == 1
+    assert ns.sample(np.zeros(5, np.float32), 5, r, path) == 0   # nothing positive: the argmax
+    assert ns.sample(np.array([-1, 0, -3], np.float32), 3, r, path) == 1
 
 
 def _draw_spec(w: np.ndarray, u: float, block: int = 256) -> int:
@@ -290,30 +299,69 @@ def _draw_spec(w: np.ndarray, u: float, block: int = 256) -> int:
     raise AssertionError("not reached for these weights")
 
 
-def test_sample_follows_its_order_of_additions(ns):
-    """A seed gives one sample on every CPU: the draw is the one the written-out order gives."""
-    rng = np.random.default_rng(8)
+@pytest.mark.parametrize("path", SAMPLERS)
+def test_sample_follows_its_order_of_additions(ns, path):
+    """A seed gives one sample on every CPU and path: the draw is the one the written-out order gives."""
+    rng, path = np.random.default_rng(8), native.path_id(path)
     for n in (5, 257, 1027, 151665):
         w = (rng.random(n) ** 8).astype(np.float32)
         w[rng.random(n) < 0.3] = 0
         w[rng.integers(0, n)] = -0.5
         for seed in range(20):
             u = ns.Rng(seed).uniform()
-            assert ns.sample(w, n, ns.Rng(seed)) == _draw_spec(w, u), (n, seed)
+            assert ns.sample(w, n, ns.Rng(seed), path) == _draw_spec(w, u), (n, seed)
 
 
-def test_argmax_is_the_first_maximum(ns):
-    rng = np.random.default_rng(4)
+@pytest.mark.parametrize("path", SAMPLERS)
+def test_argmax_is_the_first_maximum(ns, path):
+    rng, path = np.random.default_rng(4), native.path_id(path)
     for n in (1, 7, 8, 9, 16, 31, 1000, 151936):
         x = rng.standard_normal(n).astype(np.float32)
         if n > 20:                                         # ties: the first one wins
             x[[3, n - 2, n // 2]] = x.max() + 1
-        assert ns.argmax(x, n) == int(np.argmax(x)), n
+        assert ns.argmax(x, n, path) == int(np.argmax(x)), n
     z = np.zeros(40, np.float32)
     z[5], z[9] = -0.0, 0.0
-    assert ns.argmax(z, 40) == 0
+    assert ns.argmax(z, 40, path) == 0
     z[[0, 11]] = np.nan                                   # NaNs: no crash, an index in range
-    assert 0 <= ns.argmax(z, 40) < 40
+    assert 0 <= ns.argmax(z, 40, path) < 40
+
+
+def scalar_softmax(logits: np.ndarray, T: float) -> tuple[np.ndarray, float]:
+    """The scalar reference of warp() at a temperature alone, written out: e^((l - max) * (1/T))
+    in float32 through libm's expf (what std::exp calls), summed in order in doubles, each
+    scaled by the sum's reciprocal in float32 -> (probabilities, the sum)."""
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    libm.expf.argtypes, libm.expf.restype = [ctypes.c_float], ctypes.c_float
+    e = np.array([libm.expf(float(v)) for v in (logits - logits.max()) * (np.float32(1) / np.float32(T))],
+                 np.float32)
+    z = 0.0
+    for v in e:                                             # in order (sum() compensates)
+        z += float(v)
+    return e * np.float32(1.0 / z), z
+
+
+@pytest.mark.parametrize("path", SAMPLERS)
+def test_sampling_runs_the_path_it_is_given(ns, path):
+    """On the scalar path warp() and top_probability() are the scalar reference bit for bit; on
+    a SIMD path, the vector code's own bits (the same distribution to rounding): the path the
+    engine is given -- LAB_KERNEL_PATH=scalar included -- and not the CPU decides which runs."""
+    rng, pid = np.random.default_rng(9), native.path_id(path)
+    n, T = 1000, 0.8
+    logits = (rng.standard_normal(n) * 3).astype(np.float32)
+    want, _ = scalar_softmax(logits, T)
+    sp = ns.SampleParams()
+    sp.temperature = T
+    got = np.zeros(n, np.float32)
+    ns.warp(logits, n, sp, got, pid)
+    top = ns.top_probability(logits, n, np.zeros(n, np.float32), pid)
+    assert str(ns.sampler_name(pid)) == ("scalar" if path == "scalar" else "avx2")
+    if path == "scalar":
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        assert top == np.float32(1.0 / scalar_softmax(logits, 1.0)[1])
+    else:
+        assert not np.array_equal(got.view(np.uint32), want.view(np.uint32))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-12)
 
 
 def _joint2(c, prompt, T):

@@ -94,6 +94,7 @@ def test_forced_lower_path(path):
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info["active_path"] == path and info["kernels"]["matmul_q4"] == path
+    assert info["kernels"]["sampling"] == ("scalar" if path == "scalar" else "avx2")
 
 
 def test_forced_unknown_or_unsupported_path():
@@ -119,6 +120,7 @@ def test_a_path_the_cpu_lacks_is_refused_on_any_cpu(monkeypatch):
         native.path_id("avx512vnni")
     info = native.cpu()
     assert info["active_path"] == "scalar" and info["kernels"]["quantize_activations"] == "scalar"
+    assert info["kernels"]["sampling"] == "scalar"
 
 
 def test_cpu_report():

@@ -184,7 +184,7 @@ def test_acceptance_probability_is_min_one_p_over_q(ns, pq):
     """For each token x the draft can propose, the accepted set of u has measure
     min(1, p(x)/q(x)) (to 2^-52), and the engine's decision switches exactly there."""
     p, q = pq
-    n = p.size
+    n, path = p.size, ns.active_path()
     acc = np.zeros(1, np.bool_)
     for x in np.flatnonzero(q > 0):
         px, qx = float(p[x]), float(q[x])
@@ -195,9 +195,9 @@ def test_acceptance_probability_is_min_one_p_over_q(ns, pq):
         if p[x] == 0:
             assert k == 0                  # never accepted
         if k > 0:                          # the last accepted u
-            assert ns.accept_or_resample(p, q, n, int(x), rng_giving(ns, k - 1), acc) == x and acc[0]
+            assert ns.accept_or_resample(p, q, n, int(x), rng_giving(ns, k - 1), acc, path) == x and acc[0]
         if k < ONE:                        # the first rejected u
-            ns.accept_or_resample(p, q, n, int(x), rng_giving(ns, k), acc)
+            ns.accept_or_resample(p, q, n, int(x), rng_giving(ns, k), acc, path)
             assert not acc[0]
 
 
@@ -207,7 +207,7 @@ def test_rejection_resamples_the_normalised_residual(ns, pq, pick):
     """On rejection the token is the inverse CDF of max(0, p - q) / its sum at the second
     uniform: only tokens with p > q come out, each over a share of u equal to its weight."""
     p, q = pq
-    n = p.size
+    n, path = p.size, ns.active_path()
     can_reject = [x for x in np.flatnonzero(q > 0) if accepted_count(float(p[x]), float(q[x])) < ONE]
     if not can_reject:                     # p >= q wherever q > 0: nothing is ever rejected
         return
@@ -222,7 +222,7 @@ def test_rejection_resamples_the_normalised_residual(ns, pq, pick):
     acc = np.zeros(1, np.bool_)
 
     def token(k2: int) -> int:
-        t = ns.accept_or_resample(p, q, n, x, rng_giving(ns, k1, k2), acc)
+        t = ns.accept_or_resample(p, q, n, x, rng_giving(ns, k1, k2), acc, path)
         assert not acc[0]
         return t
 
