@@ -78,7 +78,8 @@ def ranges() -> dict[str, Range]:
             "threads": dataclasses.replace(cpu_threads(), null=True),          # null: every CPU
             "max_prompt_tokens": dataclasses.replace(COUNT, null=True),    # null: no limit
             "draft_vocab": Range(0, why="0: the stock draft"), "warmup": Range(0), "weight": Range(0),
-            "lr": Range(0, gt=True), "held_out": Range(0, 1)}
+            "lr": Range(0, gt=True), "held_out": Range(0, 1),
+            "duties": Range(0, 1, why="a co-runner's busy share of each period", kind="float")}
 
 
 def notebooks() -> list[str]:

@@ -1,5 +1,6 @@
 """An engine's passes timed: decode steps against the read ceiling (`lab bench decode`), and
-draft steps, target steps and verifications under each thread configuration."""
+draft steps, target steps and verifications under each thread configuration, with and
+without one slow core."""
 from __future__ import annotations
 
 import os
@@ -7,7 +8,7 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from . import kernels
+from . import kernels, native, slowcore
 from .machine import machine
 from .protocol import fill, flat, forward_samples, interleave, paired_ratio, read_buffer, read_sampler, summary
 
@@ -67,21 +68,64 @@ SPLITS = {"static": 0, "dynamic": 8, "guided": "guided"}   # names -> Engine.set
 
 
 def threads_bench(target, draft, context: int = 256, gamma: int = 4, rounds: int = 5, reps: int = 3,
-                  max_threads: int | None = None) -> list[dict]:
+                  max_threads: int | None = None, duties=(0.0,)) -> list[dict]:
     """A draft step, a target step and a verification pass (gamma + 1 tokens), each timed under
     every configuration: thread count, pinned or not, and the split of tiles — static halves,
-    fixed 8-tile hand-outs ("dynamic") or shrinking shares ("guided", the engine's default).
+    fixed 8-tile hand-outs ("dynamic") or shrinking shares ("guided", the engine's default) —
+    and under each condition of `slowcore.conditions`: a hybrid CPU's real performance and
+    efficiency cores, elsewhere the last CPU shared with a co-runner busy each of `duties`
+    (an emulated efficiency core; each row has the slow-down measured for its condition).
     The engines get their own pools and the guided split back afterwards."""
-    n = len(os.sched_getaffinity(0)) if max_threads is None else max_threads
+    allowed = sorted(os.sched_getaffinity(0))
+    n = len(allowed) if max_threads is None else max_threads
     configs = [(t, pin, split) for t in range(1, n + 1) for pin in ((True, False) if t > 1 else (True,))
                for split in (SPLITS if t > 1 else ("static",))]
     rows = []
-    for t, pin, split in configs:
-        with _configured((target, draft), kernels.Pool(t, pin=pin), split):
-            rows += [{"phase": phase, "threads": t, "pinned": pin, "split": split, **ms,
-                      "config": f"{t} thr, {'pinned' if pin else 'unpinned'}, {split}"}
-                     for phase, ms in _phases(target, draft, context, gamma, rounds, reps).items()]
+    for cond in slowcore.conditions(native.cpu()["core_types"], allowed, duties):
+        slowdown = _slowdown(target, cond, context, reps)
+        with slowcore.SlowCore(cond["slow_cpu"], cond["duty"]):
+            for t, pin, split in configs:
+                pool = kernels.Pool(t, cpus=cond["cpus"][:t] if cond["cpus"] else None, pin=pin)
+                with _configured((target, draft), pool, split):
+                    rows += [{"phase": phase, "threads": t, "pinned": pin, "split": split, **ms,
+                              "condition": cond["label"], "slowdown": slowdown,
+                              "config": f"{t} thr, {'pinned' if pin else 'unpinned'}, {split}"}
+                             for phase, ms in _phases(target, draft, context, gamma, rounds, reps).items()]
     return rows
+
+
+def _slowdown(engine, cond: dict, context: int, reps: int, rounds: int = 5) -> float:
+    """How much slower a one-thread target step runs on the condition's slow CPU: beside its
+    co-runner than alone, or on the efficiency core than on the performance core."""
+    def step_on(cpu):
+        with _configured((engine,), kernels.Pool(1, cpus=[cpu]), "static"):
+            return float(np.median(forward_samples(engine, one, context, reps)))
+    one = fill(engine, context)[-1:].copy()
+    if cond["duty"]:
+        return slowcore.factor(cond["slow_cpu"], cond["duty"], lambda: step_on(cond["slow_cpu"]), rounds)
+    if cond["cpus"]:
+        return float(np.median([step_on(cond["slow_cpu"]) / step_on(cond["cpus"][0]) for _ in range(rounds)]))
+    return 1.0
+
+
+def holds_up(rows: list[dict]) -> list[dict]:
+    """Per phase and split, over the pinned configurations with every thread: its time over the
+    best split's under each condition, and the worst of those; the split with the smallest
+    worst is the one that holds up when a core is slow."""
+    n = max(r["threads"] for r in rows)
+    mine = [r for r in rows if r["threads"] == n and r["pinned"]]
+    out = []
+    for phase in dict.fromkeys(r["phase"] for r in mine):
+        best = {c: min(r["ms"] for r in mine if r["phase"] == phase and r["condition"] == c)
+                for c in dict.fromkeys(r["condition"] for r in mine)}
+        for split in dict.fromkeys(r["split"] for r in mine):
+            ratios = {r["condition"]: r["ms"] / best[r["condition"]] for r in mine
+                      if r["phase"] == phase and r["split"] == split}
+            out.append({"phase": phase, "split": split, **ratios, "worst": max(ratios.values())})
+    for phase in dict.fromkeys(r["phase"] for r in out):
+        pick = min((r for r in out if r["phase"] == phase), key=lambda r: r["worst"])
+        pick["holds_up"] = True
+    return out
 
 
 @contextmanager

@@ -113,3 +113,21 @@ def test_threads_bench_hands_the_engines_back(pair):
     rows = steps.threads_bench(t, d, context=16, gamma=2, rounds=1, reps=1, max_threads=1)
     assert [r["phase"] for r in rows] == ["draft step", "target step", "verification (k=3)"]
     assert all(r["ms"] > 0 for r in rows) and (t.pool, d.pool) == pools
+
+
+def test_threads_bench_times_every_configuration_beside_a_slow_core(pair):
+    """Each condition (no co-runner, one at full duty on the last CPU) times every configuration,
+    with its slow-down measured; `holds_up` names one split per phase."""
+    import os
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("a slow core beside a fast one needs two CPUs")
+    t, d = pair
+    rows = steps.threads_bench(t, d, context=16, gamma=2, rounds=1, reps=1, max_threads=2, duties=(0.0, 1.0))
+    conds = list(dict.fromkeys(r["condition"] for r in rows))
+    assert conds == ["no co-runner", "co-runner 100%"]
+    assert len(rows) == 2 * 3 * (1 + 2 * len(steps.SPLITS))
+    assert {r["slowdown"] for r in rows if r["condition"] == "no co-runner"} == {1.0}
+    assert all(r["slowdown"] > 0 for r in rows)
+    held = steps.holds_up(rows)
+    assert len(held) == 3 * len(steps.SPLITS) and sum(r.get("holds_up", False) for r in held) == 3
+    assert all(r["worst"] >= 1.0 and r["worst"] == max(r[c] for c in conds) for r in held)
