@@ -83,14 +83,15 @@ def threads_bench(target, draft, context: int = 256, gamma: int = 4, rounds: int
     rows = []
     for cond in slowcore.conditions(native.cpu()["core_types"], allowed, duties):
         slowdown = _slowdown(target, cond, context, reps)
+        pools = {(t, pin): kernels.Pool(t, cpus=cond["cpus"][:t] if cond["cpus"] else None, pin=pin)
+                 for t, pin, _ in configs}
         with slowcore.SlowCore(cond["slow_cpu"], cond["duty"]):
-            for t, pin, split in configs:
-                pool = kernels.Pool(t, cpus=cond["cpus"][:t] if cond["cpus"] else None, pin=pin)
-                with _configured((target, draft), pool, split):
-                    rows += [{"phase": phase, "threads": t, "pinned": pin, "split": split, **ms,
-                              "condition": cond["label"], "slowdown": slowdown,
-                              "config": f"{t} thr, {'pinned' if pin else 'unpinned'}, {split}"}
-                             for phase, ms in _phases(target, draft, context, gamma, rounds, reps).items()]
+            timed = _phases(target, draft, context, gamma, rounds, reps,
+                            {(t, pin, split): (pools[t, pin], split) for t, pin, split in configs})
+        rows += [{"phase": phase, "threads": t, "pinned": pin, "split": split, **ms,
+                  "condition": cond["label"], "slowdown": slowdown,
+                  "config": f"{t} thr, {'pinned' if pin else 'unpinned'}, {split}"}
+                 for (t, pin, split, phase), ms in timed.items()]
     return rows
 
 
@@ -143,13 +144,22 @@ def _configured(engines, pool: kernels.Pool, split: str):
             e.set_chunk("guided")
 
 
-def _phases(target, draft, context: int, gamma: int, rounds: int, reps: int) -> dict[str, dict]:
-    """Median and IQR ms of a draft step, a target step and a verification, interleaved."""
+def _phases(target, draft, context: int, gamma: int, rounds: int, reps: int, setups: dict) -> dict[tuple, dict]:
+    """Median and IQR ms of a draft step, a target step and a verification under each setup
+    (name -> (pool, split)), every setup and phase interleaved round by round, so the splits
+    compared see the same state of the machine. -> {(*name, phase): ms}"""
     ids = fill(target, context, draft)
     one = ids[-1:].copy()
     batch = np.resize(ids, gamma + 1).astype(np.int32)
-    cands = {"draft step": lambda: forward_samples(draft, one, context, reps),
-             "target step": lambda: forward_samples(target, one, context, reps),
-             f"verification (k={gamma + 1})": lambda: forward_samples(target, batch, context, reps)}
-    stats = {phase: summary(flat(secs)) for phase, secs in interleave(cands, rounds).items()}
-    return {phase: {"ms": st["median"] * 1e3, "ms_iqr": st["iqr"] * 1e3} for phase, st in stats.items()}
+    passes = {"draft step": (draft, one), "target step": (target, one),
+              f"verification (k={gamma + 1})": (target, batch)}
+
+    def timed(pool, split, engine, tokens):
+        def run():
+            with _configured((engine,), pool, split):
+                return forward_samples(engine, tokens, context, reps)
+        return run
+    cands = {(*name, phase): timed(pool, split, e, toks)
+             for name, (pool, split) in setups.items() for phase, (e, toks) in passes.items()}
+    stats = {key: summary(flat(secs)) for key, secs in interleave(cands, rounds).items()}
+    return {key: {"ms": st["median"] * 1e3, "ms_iqr": st["iqr"] * 1e3} for key, st in stats.items()}
