@@ -2,9 +2,9 @@
 
 The choices (the C++ `Tuning`, kernels_cpp/lab.h): the AVX-512 kernel's prefetch distances for
 one token and for k >= 2, whether 4-bit matrices at k = 2 take the single-token scheme, and the
-matrix size from which the matmul split turns from static halves to guided shares (judged on quiet
-cores and with one core shared with a co-runner, lab.slowcore, keeping the one that holds up on
-both). None of them
+matrix size from which the matmul split turns from static halves to guided shares, and the
+guided split's smallest share (both judged on quiet cores and with one core shared with a
+co-runner, lab.slowcore, keeping the value that holds up on both). None of them
 changes a result (tests/test_tune.py checks every candidate bit for bit); the choices that change
 arithmetic order stay fixed per kernel path.
 
@@ -42,6 +42,8 @@ PREFETCH_K1 = (2048, 4096, 8192, 16384)
 PREFETCH_K = ((2048, 8192), (2048, 16384), (4096, 16384), (4096, 32768), (8192, 32768))
 GUIDED_FROM = (1 * MB, 2 * MB, 4 * MB, 8 * MB, 16 * MB)
 SPLIT_SIZES = (1 * MB, 2 * MB, 4 * MB, 8 * MB)   # the matrix sizes the split threshold is judged on
+GUIDED_MIN = (32 << 10, 64 << 10, 192 << 10, 384 << 10)
+SHARE_SIZES = (8 * MB, 32 * MB)   # guided matrices the smallest share is judged on
 MARGIN = 0.98           # a candidate replaces the default at a median paired time ratio this low,
                         # and only if it was faster in three rounds of four (upper quartile < 1)
 CACHE_FORMAT = 1
@@ -89,11 +91,13 @@ def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
     k1 = sorted({*PREFETCH_K1, base["prefetch_k1"]})
     pairs = sorted({*PREFETCH_K, (base["prefetch_l1_k"], base["prefetch_l2_k"])})
     froms = sorted({*GUIDED_FROM, base["guided_from_bytes"]})
+    mins = sorted({*GUIDED_MIN, base["guided_min_bytes"]})
     return {
         "prefetch_k1": {str(v): {"prefetch_k1": v} for v in k1},
         "prefetch_k": {f"{a}/{b}": {"prefetch_l1_k": a, "prefetch_l2_k": b} for a, b in pairs},
         "q4_k2_single": {str(v).lower(): {"q4_k2_single": v} for v in (False, True)},
         "guided_from_bytes": {str(v): {"guided_from_bytes": v} for v in froms},
+        "guided_min_bytes": {str(v): {"guided_min_bytes": v} for v in mins},
     }
 
 
@@ -299,22 +303,38 @@ def _threshold_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int,
             for name, sets in cands.items()}
 
 
-def _split_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
-    """Each threshold's time ratio to the default, per round: the worse of the ratio on quiet
+def _share_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
+    """Each smallest guided share's seconds per round over guided walks of every SHARE_SIZES size."""
+    def walk(sets):
+        def run():
+            apply({**base, **sets, "guided_from_bytes": 0})
+            return [sum(x) for x in zip(*(b.slices(size, b.guided) for size in SHARE_SIZES))]
+        return run
+    return _per_round({n: walk(sets) for n, sets in cands.items()}, rounds, bar)
+
+
+def _held_up(timer, b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
+    """Each candidate's time ratio to the default, per round: the worse of the ratio on quiet
     cores and the ratio with the last worker's core shared with a co-runner (an emulated
     efficiency core), so the split chosen is one that holds up on either."""
     default = _label(cands, base)
-    quiet = _threshold_times(b, base, cands, rounds, bar)
+    quiet = timer(b, base, cands, rounds, bar)
     bar.total += rounds
     with SlowCore(b.pool.cpus[-1], SLOW_DUTY):
-        slowed = _threshold_times(b, base, cands, rounds, bar)
+        slowed = timer(b, base, cands, rounds, bar)
     return {n: [max(quiet[n][r] / quiet[default][r], slowed[n][r] / slowed[default][r]) for r in range(rounds)]
             for n in cands}
+
+
+def _split_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
+    return _held_up(_threshold_times, b, base, cands, rounds, bar)
 
 
 def _times(stage: str, cands: dict[str, dict], b: _Bench, base: dict, rounds: int, bar) -> dict[str, list[float]]:
     if stage == "guided_from_bytes":
         return _split_times(b, base, cands, rounds, bar)
+    if stage == "guided_min_bytes":
+        return _held_up(_share_times, b, base, cands, rounds, bar)
     sample = _stage_samplers(b)[stage]
     fns = {n: (lambda sets=sets: (apply({**base, **sets}), sample())[1]) for n, sets in cands.items()}
     return _per_round(fns, rounds, bar)
@@ -332,7 +352,7 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
     b = _Bench(mb, reps, threads)
     base, stages = defaults(), candidates()
     prefetching, split = b.path_name == "avx512vnni", b.pool.threads > 1   # what this path and pool can move
-    run = [s for s in stages if (split if s == "guided_from_bytes" else prefetching)]
+    run = [s for s in stages if (split if s.startswith("guided") else prefetching)]
     measured, chosen, confirmed = {}, {}, {}
     try:
         with tqdm(total=rounds * len(run), desc="lab tune", unit="round", disable=not progress,
