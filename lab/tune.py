@@ -326,15 +326,10 @@ def _held_up(timer, b: _Bench, base: dict, cands: dict[str, dict], rounds: int, 
             for n in cands}
 
 
-def _split_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
-    return _held_up(_threshold_times, b, base, cands, rounds, bar)
-
-
 def _times(stage: str, cands: dict[str, dict], b: _Bench, base: dict, rounds: int, bar) -> dict[str, list[float]]:
-    if stage == "guided_from_bytes":
-        return _split_times(b, base, cands, rounds, bar)
-    if stage == "guided_min_bytes":
-        return _held_up(_share_times, b, base, cands, rounds, bar)
+    split_timers = {"guided_from_bytes": _threshold_times, "guided_min_bytes": _share_times}
+    if stage in split_timers:
+        return _held_up(split_timers[stage], b, base, cands, rounds, bar)
     sample = _stage_samplers(b)[stage]
     fns = {n: (lambda sets=sets: (apply({**base, **sets}), sample())[1]) for n, sets in cands.items()}
     return _per_round(fns, rounds, bar)

@@ -10,7 +10,7 @@ from lab import slowcore
 CPUS = sorted(os.sched_getaffinity(0))
 
 
-def spin_on(cpu: int, seconds: float = 0.05):
+def spin_on(cpu: int):
     """A probe: a fixed amount of Python work pinned to `cpu` -> its seconds."""
     def probe():
         before = os.sched_getaffinity(0)

@@ -211,6 +211,6 @@ def test_the_split_chosen_holds_up_with_a_slow_core(monkeypatch):
     monkeypatch.setattr(tune, "_threshold_times", threshold_times)
     b = type("B", (), {"pool": type("P", (), {"cpus": [0, 5]})()})()
     bar = type("Bar", (), {"total": 0})()
-    times = tune._split_times(b, base, cands, 4, bar)
+    times = tune._held_up(tune._threshold_times, b, base, cands, 4, bar)
     assert state["cpu"] == 5 and state["duty"] == tune.SLOW_DUTY and bar.total == 4
     assert tune._pick(times, default)[0] == steady
