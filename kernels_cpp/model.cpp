@@ -35,6 +35,14 @@ namespace {
 // scores, [rows][context], are its scratch.
 constexpr int ATT_ROWS = 32;
 
+// The K cache keeps each head's positions in blocks of K_BLOCK, dimension-major within a
+// block ([D][K_BLOCK] fp16), so a vector of scores reads one dimension of K_BLOCK positions
+// at once; each head's region is padded to whole blocks.
+constexpr int K_BLOCK = 16;
+inline size_t k_at(int t, int i, int D) {
+    return (size_t)(t / K_BLOCK) * K_BLOCK * D + (size_t)i * K_BLOCK + t % K_BLOCK;
+}
+
 // Attention against one KV head for `tokens` consecutive query tokens: token j's `group`
 // query heads (at q + j * q_stride, D floats each) see cached positions [0, n0 + j) and
 // write their outputs at out + j * out_stride. The tokens share every K and V row they read.
@@ -52,7 +60,7 @@ struct Queries {
     float* orow(int r) const { return out + (size_t)(r / group) * out_stride + (size_t)(r % group) * D; }
 };
 
-// scores: [rows][last()] floats of scratch; row: 8 x D floats, 64-byte aligned.
+// scores: [rows][last()] floats of scratch; row: ATT_BUF_ROWS x D floats, 64-byte aligned.
 using AttendFn = void (*)(const Queries& a, const uint16_t* K, const uint16_t* V, float scale, float* scores,
                           float* row);
 
@@ -65,7 +73,7 @@ void attend_scalar(const Queries& a, const uint16_t* K, const uint16_t* V, float
         const float* q = a.qrow(r);
         float* s = scores;
         for (int t = 0; t < n; t++) {
-            for (int i = 0; i < D; i++) row[i] = fp16_to_fp32(K[(size_t)t * D + i]);
+            for (int i = 0; i < D; i++) row[i] = fp16_to_fp32(K[k_at(t, i, D)]);
             float acc = 0.f;
             for (int i = 0; i < D; i++) acc = std::fmaf(q[i], row[i], acc);
             s[t] = acc * scale;
@@ -90,14 +98,6 @@ static inline float hsum(__m256 v) {
     __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     x = _mm_add_ps(x, _mm_movehl_ps(x, x));
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
-// Eight dot-product accumulators -> one register of their eight sums.
-static inline __m256 sum8(const __m256* a) {
-    const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-    const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-    const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-    return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
 // A row's softmax over the positions it sees, in place; the positions past them weigh
@@ -125,21 +125,29 @@ static void softmax_rows(const Queries& a, float* scores, size_t stride, int n) 
     }
 }
 
-// Positions whose values (64 x D fp16: 16 KB at D = 128) stay in L1 while every row and
-// every slice of D passes over them, so V streams from memory once.
-constexpr int VALUE_BLOCK = 64;
+// Positions whose values, as floats (32 x D: 16 KB at D = 128), stay in L1 while every row
+// and every slice of D passes over them, so V streams from memory once and is converted once.
+constexpr int VALUE_BLOCK = 32;
+// Query rows summed together: each value loaded serves this many rows (12 accumulators).
+constexpr int VALUE_ROWS = 6;
+// Positions whose scores are one tile: their K, as floats (D x 32: 16 KB at D = 128), serve
+// every query row of the task from L1.
+constexpr int SCORE_BLOCK = 32;
+static_assert(SCORE_BLOCK % K_BLOCK == 0, "a score tile takes whole blocks of the K cache");
+// The work buffer beside the scores, per thread: either block as floats.
+constexpr int ATT_BUF_ROWS = SCORE_BLOCK > VALUE_BLOCK ? SCORE_BLOCK : VALUE_BLOCK;
 
 namespace att256 {
 struct Vec {
     using F = __m256;
-    static constexpr int W = 8;
+    static constexpr int W = 8, ROWS = 2;     // 8 score accumulators of 16 registers
     static F zero() { return _mm256_setzero_ps(); }
     static F load(const float* p) { return _mm256_loadu_ps(p); }
     static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
     static F half(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
     static F bcast(const float* p) { return _mm256_broadcast_ss(p); }
     static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
-    static __m256 sum8(const F* a) { return lab::sum8(a); }
+    static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
 };
 #include "attend.inc"
 }  // namespace att256
@@ -150,20 +158,14 @@ struct Vec {
 namespace att512 {
 struct Vec {
     using F = __m512;
-    static constexpr int W = 16;
+    static constexpr int W = 16, ROWS = 6;    // 12 score accumulators of 32 registers
     static F zero() { return _mm512_setzero_ps(); }
     static F load(const float* p) { return _mm512_loadu_ps(p); }
     static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
     static F half(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
     static F bcast(const float* p) { return _mm512_set1_ps(*p); }
     static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
-    // each accumulator's two halves added first, then the eight as at 256 bits
-    static __m256 sum8(const F* a) {
-        __m256 h[8];
-        for (int p = 0; p < 8; p++)
-            h[p] = _mm256_add_ps(_mm512_castps512_ps256(a[p]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[p]), 1)));
-        return lab::sum8(h);
-    }
+    static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
 };
 #include "attend.inc"
 }  // namespace att512
@@ -270,6 +272,7 @@ struct Model::Impl {
     std::string err;
     int max_ctx = 0, vocab = 0, q_dim = 0, kv_dim = 0, qkv_rows = 0;
     int att_rows = 0;                  // query rows one attention task holds at most
+    int cache_ctx = 0;                 // positions a head's cache region holds: max_ctx in whole K blocks
     const float* norm = nullptr;
     Mat embed, output;
     // A trimmed draft: its kept output rows, which token each is, and the request's extras.
@@ -280,9 +283,10 @@ struct Model::Impl {
     std::vector<uint8_t> kept;         // [vocab_size]: 1 where trim or extra has the token
     std::vector<Layer> layers;
     std::vector<uint16_t> kcache, vcache;
+    std::vector<uint16_t> khalf;       // one K row in fp16, on its way into the blocked cache
     std::vector<float> cos_t, sin_t;
     std::vector<float> x, xn, qkv, att, gu, hb, tmp, logits_tmp;
-    std::vector<float> scratch;        // per thread: scores [att_rows][ctx] + 8 K rows
+    std::vector<float> scratch;        // per thread: scores [att_rows][ctx] + ATT_BUF_ROWS K or V rows
     QActs acts;
     bool loaded = false;
     int split_tiles = SPLIT_GUIDED;
@@ -464,9 +468,11 @@ bool Model::load(const char* path, int max_context, bool in_memory) {
 // The caches and work buffers: sized by the header (already bounded) and max_context.
 void Model::Impl::allocate() {
     const int max_context = max_ctx, H = h.hidden_size, I = h.intermediate_size;
-    const size_t cache = (size_t)h.num_layers * h.num_kv_heads * max_context * h.head_dim;
+    cache_ctx = (max_context + K_BLOCK - 1) / K_BLOCK * K_BLOCK;
+    const size_t cache = (size_t)h.num_layers * h.num_kv_heads * cache_ctx * h.head_dim;
     kcache.assign(cache, 0);
     vcache.assign(cache, 0);
+    khalf.resize(h.head_dim);
     const int half = h.head_dim / 2;
     cos_t.resize((size_t)max_context * half);
     sin_t.resize((size_t)max_context * half);
@@ -485,7 +491,7 @@ void Model::Impl::allocate() {
     logits_tmp.resize((size_t)K * vocab);
     const int group = h.num_heads / h.num_kv_heads;
     att_rows = std::max(group, ATT_ROWS / group * group);
-    scratch.resize((size_t)online_cpus() * ((size_t)att_rows * max_context + 8 * h.head_dim + 16) + 64);
+    scratch.resize((size_t)online_cpus() * ((size_t)att_rows * max_context + ATT_BUF_ROWS * h.head_dim + 16) + 64);
 }
 
 // ============================================================================
@@ -552,7 +558,7 @@ int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, T
 void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int path) {
     const int D = h.head_dim, KV = h.num_kv_heads, group = h.num_heads / KV;
     const float scale = (float)std::pow((double)D, -0.5);
-    const size_t per_thread = (size_t)att_rows * max_ctx + 8 * D + 16;
+    const size_t per_thread = (size_t)att_rows * max_ctx + ATT_BUF_ROWS * D + 16;
     // 512 bits on the AVX-512 path, because attention's own time falls by more than the
     // 512-bit float math slows the matmuls after it, except in a short single-token pass
     // (docs/tuning.md). The width is fixed per path: a k-token pass must equal k
@@ -572,7 +578,7 @@ void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int pat
         float* row = (float*)(((uintptr_t)(scores + (size_t)att_rows * max_ctx) + 63) & ~(uintptr_t)63);
         for (int task = b; task < e; task++) {
             const int kvh = task / chunks, j0 = task % chunks * per;
-            const size_t base = (((size_t)layer * KV + kvh) * max_ctx) * D;
+            const size_t base = (((size_t)layer * KV + kvh) * cache_ctx) * D;
             const Queries a{qkv.data() + (size_t)j0 * qkv_rows + (size_t)kvh * group * D, (size_t)qkv_rows,
                             att.data() + (size_t)j0 * q_dim + (size_t)kvh * group * D, (size_t)q_dim,
                             group, std::min(per, k - j0), pos + j0 + 1, D};
@@ -631,9 +637,10 @@ int Model::Impl::chunk(const int32_t* tok, int k, int pos, float* logits, int mo
                 }
             }
             for (uint32_t kvh = 0; kvh < h.num_kv_heads; kvh++) {
-                const size_t at = (((size_t)l * h.num_kv_heads + kvh) * max_ctx + p) * D;
-                f32_to_f16_row(row + q_dim + kvh * D, D, &kcache[at], path);
-                f32_to_f16_row(row + q_dim + kv_dim + kvh * D, D, &vcache[at], path);
+                const size_t head = ((size_t)l * h.num_kv_heads + kvh) * cache_ctx * D;
+                f32_to_f16_row(row + q_dim + kvh * D, D, khalf.data(), path);
+                for (int i = 0; i < D; i++) kcache[head + k_at(p, i, D)] = khalf[i];
+                f32_to_f16_row(row + q_dim + kv_dim + kvh * D, D, &vcache[head + (size_t)p * D], path);
             }
         }
         lap(STAGE_SERIAL);
