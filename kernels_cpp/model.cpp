@@ -128,7 +128,7 @@ static void softmax_rows(const Queries& a, float* scores, size_t stride, int n) 
 // Positions whose values, as floats (32 x D: 16 KB at D = 128), stay in L1 while every row
 // and every slice of D passes over them, so V streams from memory once and is converted once.
 constexpr int VALUE_BLOCK = 32;
-// Query rows summed together: each value loaded serves this many rows (12 accumulators).
+// Query rows summed together: each value loaded serves this many rows.
 constexpr int VALUE_ROWS = 6;
 // Positions whose scores are one tile: their K, as floats (D x 32: 16 KB at D = 128), serve
 // every query row of the task from L1.
@@ -140,7 +140,7 @@ constexpr int ATT_BUF_ROWS = SCORE_BLOCK > VALUE_BLOCK ? SCORE_BLOCK : VALUE_BLO
 namespace att256 {
 struct Vec {
     using F = __m256;
-    static constexpr int W = 8, ROWS = 2;     // 8 score accumulators of 16 registers
+    static constexpr int W = 8, ROWS = 2, REGS = 16;     // 8 score accumulators
     static F zero() { return _mm256_setzero_ps(); }
     static F load(const float* p) { return _mm256_loadu_ps(p); }
     static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
@@ -158,7 +158,7 @@ struct Vec {
 namespace att512 {
 struct Vec {
     using F = __m512;
-    static constexpr int W = 16, ROWS = 6;    // 12 score accumulators of 32 registers
+    static constexpr int W = 16, ROWS = 6, REGS = 32;    // 12 score accumulators
     static F zero() { return _mm512_setzero_ps(); }
     static F load(const float* p) { return _mm512_loadu_ps(p); }
     static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
