@@ -188,6 +188,7 @@ def _check_kernels(args) -> None:
 def _check_decode(args) -> None:
     _check_schemes(("--scheme", args.scheme))
     _check_context(args.model, [args.context], "--context")
+    _check_k([args.k])
 
 
 def _check_vk(args) -> None:
@@ -294,9 +295,10 @@ def _print_kernels(r: dict) -> None:
 
 
 def _print_decode(r: dict) -> None:
-    print(f"{r['model']} ({r['format']}), {r['threads']} threads, context {r['context']}: "
+    passes = f"{r['k']}-token passes of {r['ms_per_pass']:.1f} ms: " if r["k"] > 1 else ""
+    print(f"{r['model']} ({r['format']}), {r['threads']} threads, context {r['context']}: {passes}"
           f"{r['tokens_per_s']:.1f} tokens/s ({r['ms_per_token']:.1f} ms/token)")
-    print(f"{r['bytes_per_token'] / 1e6:.0f} MB read per token = {r['gbps']:.1f} GB/s; read ceiling "
+    print(f"{r['bytes_per_pass'] / 1e6:.0f} MB read per pass = {r['gbps']:.1f} GB/s; read ceiling "
           f"{r['read_gbps']:.1f} GB/s; share {100 * r['share_of_ceiling']:.0f}% (IQR {100 * r['share_of_ceiling_iqr']:.0f})")
     if "stages" in r:
         print(f"{'stage':10s} {'ms':>7s} {'part':>5s} {'MB':>6s} {'GB/s':>6s} {'%ceil':>6s}")
@@ -351,7 +353,7 @@ def cmd_bench_decode(args) -> int:
     from .steps import decode_bench
     _check_decode(args)
     e = Engine(engine_file(args.model, args.scheme), threads=args.threads, max_context=max(args.context + 64, 512))
-    r = decode_bench(e, args.context, rounds=args.rounds, stages=args.stages)
+    r = decode_bench(e, args.context, rounds=args.rounds, stages=args.stages, k=args.k)
     return _emit(args, _named(r, model=args.model, format=args.scheme), _print_decode)
 
 
@@ -662,6 +664,8 @@ def _add_decode(benches) -> None:
     p.add_argument("--context", type=_COUNT, default=256, metavar="N",
                    help="the one context the steps run at (default 256; lab bench vk takes several)")
     p.add_argument("--stages", action="store_true", help="time each stage of the pass too")
+    p.add_argument("--k", type=_COUNT, default=1, metavar="K",
+                   help="tokens per pass (default 1; more: a verification pass, whose stages show what grows with k)")
 
 
 def _add_vk(benches) -> None:

@@ -13,11 +13,13 @@ from .machine import machine
 from .protocol import fill, flat, forward_samples, interleave, paired_ratio, read_buffer, read_sampler, summary
 
 
-def decode_bench(engine, context: int = 256, rounds: int = 7, reps: int = 5, stages: bool = False) -> dict:
+def decode_bench(engine, context: int = 256, rounds: int = 7, reps: int = 5, stages: bool = False,
+                 k: int = 1) -> dict:
     """One-token decode steps at a fixed context (the output layer included), paired round by
     round with read passes: tokens/s, bytes read per token, share of the read ceiling.
-    stages=True also times each stage of the pass (`stage_records`)."""
-    tok = fill(engine, context)[-1:].copy()
+    stages=True also times each stage of the pass (`stage_records`); k > 1 times k-token
+    passes (a verification's) instead of one-token steps."""
+    tok = fill(engine, context)[-k:].copy()
     buf, _owner = read_buffer(512 << 20)
     reader = read_sampler(buf, engine.pool)
     reader()
@@ -32,18 +34,20 @@ def decode_bench(engine, context: int = 256, rounds: int = 7, reps: int = 5, sta
         return [engine.weight_bytes / s / 1e9 for s in secs]
     samples = interleave({"step": step, "read": reader}, rounds)
     out = {"machine": machine(), "file": str(engine.file), "threads": engine.pool.threads, "context": context,
-           **_decode_rates(samples, engine.weight_bytes)}
+           "k": k, **_decode_rates(samples, engine.weight_bytes, k)}
     if stages:
         out["stages"] = stage_records(per_round, engine.stage_bytes(), [np.median(r) for r in samples["read"]])
     return out
 
 
-def _decode_rates(samples: dict, nbytes: int) -> dict:
-    """Tokens/s and GB/s of the steps, and their share of the read passes beside them."""
+def _decode_rates(samples: dict, nbytes: int, k: int = 1) -> dict:
+    """Tokens/s and GB/s of the passes (k tokens each), and their share of the read passes
+    beside them."""
     share = paired_ratio(samples["step"], samples["read"])
     gbps = summary(flat(samples["step"]))["median"]
-    tps = gbps * 1e9 / nbytes
-    return {"tokens_per_s": tps, "ms_per_token": 1e3 / tps, "bytes_per_token": nbytes,
+    passes = gbps * 1e9 / nbytes
+    return {"tokens_per_s": k * passes, "ms_per_token": 1e3 / (k * passes), "ms_per_pass": 1e3 / passes,
+            "bytes_per_token": nbytes / k, "bytes_per_pass": nbytes,
             "read_gbps": float(np.median(flat(samples["read"]))), "gbps": gbps,
             "share_of_ceiling": share["median"], "share_of_ceiling_iqr": share["iqr"]}
 

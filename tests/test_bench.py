@@ -58,10 +58,23 @@ def test_decode_stages_json(tmp_path):
     assert set(st) == {"serial", "quantize", "qkv", "attention", "o", "gate_up", "swiglu", "down", "output"}
     assert all(0 < x["part"] < 1 for x in st.values())
     assert 0.9 < sum(x["part"] for x in st.values()) < 1.1          # medians of each round's parts
-    assert sum(x["bytes"] for x in st.values()) == r["bytes_per_token"]
+    assert sum(x["bytes"] for x in st.values()) == r["bytes_per_pass"] == r["bytes_per_token"]
     for name in ("qkv", "o", "gate_up", "down", "output"):
         assert st[name]["ms"] > 0 and st[name]["gbps"] > 0 and st[name]["share_of_ceiling"] > 0, name
     assert "gbps" not in st["attention"]
+
+
+def test_decode_stages_of_a_k_token_pass(tmp_path):
+    """decode --k 4: four tokens a pass, each stage of the verification pass timed; the weights
+    are read once a pass, so a token's share of them is a quarter."""
+    import os
+    env = dict(os.environ, LAB_MODELS=str(tmp_path))
+    r = json.loads(run_lab("bench", "decode", "--json", "--model", "tiny-qwen3", "--context", "32",
+                           "--rounds", "2", "--stages", "--k", "4", env=env))
+    assert r["k"] == 4 and r["bytes_per_token"] == r["bytes_per_pass"] / 4
+    assert r["tokens_per_s"] == pytest.approx(4e3 / r["ms_per_pass"])
+    assert sum(x["bytes"] for x in r["stages"]) == r["bytes_per_pass"]
+    assert all(x["ms"] > 0 for x in r["stages"] if x["stage"] in ("qkv", "attention", "gate_up", "down"))
 
 
 

@@ -41,6 +41,8 @@ def _fails(capsys, argv: list[str], phrase: str) -> str:
     (["bench", "bandwidth", "--mb", "-1"], "--mb: must be an integer >= 1"),
     (["bench", "decode", *TINY, "--rounds", "0"], "--rounds: must be an integer >= 1"),
     (["bench", "decode", *TINY, "--context", "0"], "--context: must be an integer >= 1"),
+    (["bench", "decode", *TINY, "--k", "0"], "--k: must be an integer >= 1"),
+    (["bench", "decode", *TINY, "--k", "99"], "--k 99: a kernel call takes 1 to"),
     (["bench", "decode", *TINY, "--context", "256,512"], "--context: must be an integer >= 1, got '256,512'"),
     (["bench", "decode", *TINY, "--threads", "1,2"], "--threads: must be an integer from 1 to"),
     (["bench", "vk", *TINY, "--context", "64,0"], "--context: must be an integer >= 1, got '0'"),
