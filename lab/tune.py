@@ -319,17 +319,23 @@ def _held_up(timer, b: _Bench, base: dict, cands: dict[str, dict], rounds: int, 
     efficiency core), so the split chosen is one that holds up on either."""
     default = _label(cands, base)
     quiet = timer(b, base, cands, rounds, bar)
-    bar.total += rounds
     with SlowCore(b.pool.cpus[-1], SLOW_DUTY):
         slowed = timer(b, base, cands, rounds, bar)
     return {n: [max(quiet[n][r] / quiet[default][r], slowed[n][r] / slowed[default][r]) for r in range(rounds)]
             for n in cands}
 
 
+SPLIT_TIMERS = {"guided_from_bytes": _threshold_times, "guided_min_bytes": _share_times}   # timed twice: _held_up
+
+
+def _bar_rounds(stage: str, rounds: int) -> int:
+    """The progress bar's rounds for one timing of a stage's candidates."""
+    return rounds * (2 if stage in SPLIT_TIMERS else 1)
+
+
 def _times(stage: str, cands: dict[str, dict], b: _Bench, base: dict, rounds: int, bar) -> dict[str, list[float]]:
-    split_timers = {"guided_from_bytes": _threshold_times, "guided_min_bytes": _share_times}
-    if stage in split_timers:
-        return _held_up(split_timers[stage], b, base, cands, rounds, bar)
+    if stage in SPLIT_TIMERS:
+        return _held_up(SPLIT_TIMERS[stage], b, base, cands, rounds, bar)
     sample = _stage_samplers(b)[stage]
     fns = {n: (lambda sets=sets: (apply({**base, **sets}), sample())[1]) for n, sets in cands.items()}
     return _per_round(fns, rounds, bar)
@@ -350,13 +356,13 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
     run = [s for s in stages if (split if s.startswith("guided") else prefetching)]
     measured, chosen, confirmed = {}, {}, {}
     try:
-        with tqdm(total=rounds * len(run), desc="lab tune", unit="round", disable=not progress,
-                  file=sys.stderr) as bar:
+        with tqdm(total=sum(_bar_rounds(s, rounds) for s in run), desc="lab tune", unit="round",
+                  disable=not progress, file=sys.stderr) as bar:
             for stage in run:
                 cands, default = stages[stage], _label(stages[stage], base)
                 chosen[stage], measured[stage] = _pick(_times(stage, cands, b, base, rounds, bar), default)
                 if chosen[stage] != default:
-                    bar.total += rounds
+                    bar.total += _bar_rounds(stage, rounds)       # a winner is timed once more
                     pair = {n: cands[n] for n in (default, chosen[stage])}
                     again, ratios = _pick(_times(stage, pair, b, base, rounds, bar), default)
                     confirmed[stage] = {"candidate": chosen[stage], **ratios[chosen[stage]]}

@@ -2,6 +2,7 @@
 cache round-trips, keyed by CPU, path and sources; a stale or foreign cache is ignored with a
 note; LAB_TUNE=0 keeps the defaults; tune() finishes and picks from its candidates."""
 import json
+import re
 
 import numpy as np
 import pytest
@@ -138,9 +139,12 @@ def test_info_shows_the_values_and_their_source(capsys):
 
 
 @pytest.mark.slow
-def test_tune_on_a_small_working_set_picks_from_the_candidates(restore):
+def test_tune_on_a_small_working_set_picks_from_the_candidates(restore, capsys):
     before = tune.current()
-    r = tune.tune(progress=False, mb=8, rounds=2, reps=1)
+    r = tune.tune(progress=True, mb=8, rounds=2, reps=1)
+    bars = re.findall(r"(\d+)/(\d+) \[", capsys.readouterr().err)
+    (done, total), first = map(int, bars[-1]), int(bars[0][1])
+    assert done == total == first + sum(tune._bar_rounds(s, 2) for s in r["confirmed"])   # known up front
     assert tune.current() == before                       # measuring changes nothing in force
     stages = tune.candidates()
     assert set(r["chosen"]) <= set(stages)
@@ -212,5 +216,6 @@ def test_the_split_chosen_holds_up_with_a_slow_core(monkeypatch):
     b = type("B", (), {"pool": type("P", (), {"cpus": [0, 5]})()})()
     bar = type("Bar", (), {"total": 0})()
     times = tune._held_up(tune._threshold_times, b, base, cands, 4, bar)
-    assert state["cpu"] == 5 and state["duty"] == tune.SLOW_DUTY and bar.total == 4
+    assert state["cpu"] == 5 and state["duty"] == tune.SLOW_DUTY
+    assert tune._bar_rounds("guided_from_bytes", 4) == 8          # the bar counts both timings up front
     assert tune._pick(times, default)[0] == steady
