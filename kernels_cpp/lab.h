@@ -490,6 +490,10 @@ double bench_dot_peak(int path, int64_t n);
 int bench_matmul(const PackedMat& W, const QActs& A, float* y, int path, ThreadPool* pool,
                  int chunk, int reps, double* secs);
 void fill_random(uint8_t* buf, int64_t n, uint64_t seed);
+// Attention alone on one thread, as one task of a pass does it: `tokens` query tokens of
+// `group` heads each (head_dim D) against one KV head with n0 positions cached before the
+// first token. Seconds per call, one per repeat, after a warm-up; 1 for a bad argument.
+int bench_attention(int D, int group, int tokens, int n0, int path, int reps, double* secs);
 // Times `reps` forward passes of k tokens at pos (after one warm-up); logits: [k][vocab].
 int bench_forward(Model& m, const int32_t* tokens, int k, int pos, int mode, ThreadPool* pool,
                   int path, int reps, double* secs, float* logits);

@@ -555,17 +555,19 @@ int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, T
     return rc == MM_OK ? E_OK : E_PATH;
 }
 
+// 512 bits on the AVX-512 path, because attention's own time falls by more than the
+// 512-bit float math slows the matmuls after it, except in a short single-token pass
+// (docs/tuning.md). The width is fixed per path: a k-token pass must equal k single-token
+// passes bit for bit.
+static AttendFn attend_for(int path, int D) {
+    return path == PATH_SCALAR ? attend_scalar : path == PATH_AVX512VNNI && D % 16 == 0 ? att512::attend : att256::attend;
+}
+
 void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int path) {
     const int D = h.head_dim, KV = h.num_kv_heads, group = h.num_heads / KV;
     const float scale = (float)std::pow((double)D, -0.5);
     const size_t per_thread = (size_t)att_rows * max_ctx + ATT_BUF_ROWS * D + 16;
-    // 512 bits on the AVX-512 path, because attention's own time falls by more than the
-    // 512-bit float math slows the matmuls after it, except in a short single-token pass
-    // (docs/tuning.md). The width is fixed per path: a k-token pass must equal k
-    // single-token passes bit for bit.
-    const AttendFn attend = path == PATH_SCALAR                       ? attend_scalar
-                          : path == PATH_AVX512VNNI && D % 16 == 0 ? att512::attend
-                                                                  : att256::attend;
+    const AttendFn attend = attend_for(path, D);
     // A task: one KV head and up to `per` tokens, whose query heads all share each K and V
     // row it reads (a verification pass reads the cache once, not once per token) -- as long
     // as every thread still gets a task.
@@ -697,6 +699,40 @@ int Model::forward(const int32_t* tokens, int k, int pos, float* logits, int mod
         if (rc) return rc;
     }
     return E_OK;
+}
+
+// ============================================================================
+// Attention alone, for `lab bench kernels`
+// ============================================================================
+
+int bench_attention(int D, int group, int tokens, int n0, int path, int reps, double* secs) {
+    if (D < 16 || D % 16 || group < 1 || tokens < 1 || tokens > MAX_K || n0 < 1 || reps < 1 || path < 0 ||
+        path >= PATH_COUNT || !path_supported(path))
+        return 1;
+    const int n = n0 + tokens - 1, R = group * tokens;
+    const size_t cached = (size_t)(n + K_BLOCK - 1) / K_BLOCK * K_BLOCK * D;
+    std::vector<uint16_t> K(cached), V(cached);
+    std::vector<float> q((size_t)R * D), out((size_t)R * D);
+    std::vector<float> scratch((size_t)R * n + ATT_BUF_ROWS * D + 16);
+    uint64_t s = 0x9E3779B97F4A7C15ull;
+    const auto uniform = [&s] {                       // [-1, 1): scores of a realistic spread
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        return (float)((s >> 40) * (1.0 / (1 << 23))) - 1.0f;
+    };
+    for (auto& x : K) x = fp32_to_fp16(uniform());
+    for (auto& x : V) x = fp32_to_fp16(uniform());
+    for (auto& x : q) x = uniform();
+    float* row = (float*)(((uintptr_t)(scratch.data() + (size_t)R * n) + 63) & ~(uintptr_t)63);
+    const Queries a{q.data(), (size_t)group * D, out.data(), (size_t)group * D, group, tokens, n0, D};
+    const AttendFn attend = attend_for(path, D);
+    const float scale = 1.0f / std::sqrt((float)D);
+    attend(a, K.data(), V.data(), scale, scratch.data(), row);     // warm-up: pages, caches
+    for (int r = 0; r < reps; r++) {
+        const double t0 = now();
+        attend(a, K.data(), V.data(), scale, scratch.data(), row);
+        secs[r] = now() - t0;
+    }
+    return 0;
 }
 
 }  // namespace lab

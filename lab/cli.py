@@ -292,6 +292,12 @@ def _print_kernels(r: dict) -> None:
               f"{x['ms_per_token']:9.3f} {x['gmacs']:8.1f} {x['gbps']:6.1f} {bw} {100 * x['share_of_peak']:6.0f}")
     print("%bw: of the read ceiling (DRAM rows: paired with read passes in the same rounds); "
           "%peak: of the dot-product issue peak")
+    att = r["attention"]
+    print(f"attention alone, one thread (head_dim {att[0]['head_dim']}, {att[0]['group']} query heads a KV head, "
+          f"cache-resident):")
+    print(f"{'context':>7s} {'k':>3s} {'us':>8s} {'GMAC/s':>8s}")
+    for x in att:
+        print(f"{x['context']:7d} {x['k']:3d} {x['us']:8.1f} {x['gmacs']:8.1f}")
 
 
 def _print_decode(r: dict) -> None:

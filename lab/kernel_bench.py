@@ -1,5 +1,6 @@
 """Each kernel and k against the machine's ceilings (`lab bench kernels`): a DRAM-resident
-matrix against the read ceiling, an L2-resident one against the dot-product issue peak."""
+matrix against the read ceiling, an L2-resident one against the dot-product issue peak; and
+attention alone, the stage that grows with the context."""
 from __future__ import annotations
 
 import os
@@ -63,6 +64,33 @@ def l2_records(fmt: str, ks, path: int, peak: dict, rounds: int, reps: int) -> l
     return kernel_records(fmt, L2_SHAPE[fmt], ks, kernels.Pool(1), "l2", path, peak["gmacs"], rounds, reps, peak=rider)
 
 
+ATTENTION_SHAPE = {"head_dim": 128, "group": 6}      # the 1.5B's: 12 query heads on 2 KV heads
+
+
+def attention_records(path: int, contexts=(256, 2048), ks=(1, 4, 8), rounds: int = 5, reps: int = 20,
+                      head_dim: int = ATTENTION_SHAPE["head_dim"], group: int = ATTENTION_SHAPE["group"]) -> list[dict]:
+    """Attention alone on one thread, as one task of a pass runs it: k tokens' `group` query
+    heads against one KV head of `context` cached positions (cache-resident), every (context, k)
+    interleaved. GMAC/s counts the scores' and the values' multiply-adds."""
+    ns = native.lib()
+
+    def sampler(ctx, k):
+        def run():
+            secs = np.zeros(reps)
+            if ns.bench_attention(head_dim, group, k, ctx, path, reps, secs):
+                raise ValueError(f"bench_attention refused head_dim {head_dim}, group {group}, k {k}, context {ctx}")
+            return list(secs)
+        return run
+    cells = [(c, k) for c in contexts for k in ks]
+    samples = interleave({cell: sampler(*cell) for cell in cells}, rounds)
+    out = []
+    for c, k in cells:
+        us = summary(flat(samples[c, k]))["median"] * 1e6
+        out.append({"context": c, "k": k, "head_dim": head_dim, "group": group, "us": us,
+                    "gmacs": 2 * group * k * c * head_dim / us / 1e3})
+    return out
+
+
 def kernels_bench(ks=(1, 2, 4, 8, 16), fmts=("q4", "q8"), threads: int | None = None,
                   quick: bool = False, path: str | None = None) -> dict:
     """GMAC/s and GB/s of each kernel for each k: a DRAM-resident matrix at all threads,
@@ -88,4 +116,5 @@ def kernels_bench(ks=(1, 2, 4, 8, 16), fmts=("q4", "q8"), threads: int | None = 
     return {"machine": machine(), "path": native.PATHS[p], "threads": n,
             "read_gbps": read_gbps, "dot_peak_gmacs": peak["gmacs"],
             "dot_peak_iqr": peak["gmacs_iqr"], "dot_peak_variant": peak["variant"],
-            "dot_peak_variants": peak["variants"], "results": records}
+            "dot_peak_variants": peak["variants"], "results": records,
+            "attention": attention_records(p, rounds=3 if quick else 5)}

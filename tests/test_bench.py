@@ -3,6 +3,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from lab import ceilings, kernel_bench, native, protocol, speedups, steps
@@ -44,6 +45,20 @@ def test_kernels_json():
         for key in ("gmacs", "gbps", "share_of_bandwidth", "share_of_peak"):
             assert x[key] > 0, key
     assert r["dot_peak_gmacs"] > 0 and r["read_gbps"] > 0
+    att = {(x["context"], x["k"]): x for x in r["attention"]}
+    assert set(att) == {(c, k) for c in (256, 2048) for k in (1, 4, 8)}
+    for (c, k), x in att.items():                       # the multiply-adds follow from the shape
+        assert x["us"] > 0 and x["gmacs"] == pytest.approx(2 * x["group"] * k * c * x["head_dim"] / x["us"] / 1e3)
+    assert att[2048, 1]["us"] > att[256, 1]["us"]        # eight times the positions cannot be free
+
+
+@pytest.mark.parametrize("path", native.supported_paths())
+def test_attention_bench_runs_every_path_and_refuses_bad_shapes(path):
+    ns, pid = native.lib(), native.path_id(path)
+    secs = np.zeros(2)
+    assert ns.bench_attention(64, 7, 5, 100, pid, 2, secs) == 0 and (secs > 0).all()
+    for bad in ((60, 7, 5, 100), (64, 0, 5, 100), (64, 7, 0, 100), (64, 7, 99, 100), (64, 7, 5, 0)):
+        assert ns.bench_attention(*bad, pid, 2, secs) == 1, bad
 
 
 def test_decode_stages_json(tmp_path):
