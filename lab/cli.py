@@ -371,6 +371,8 @@ def cmd_bench_vk(args) -> int:
     from .engine import Engine
     from .kernels import Pool
     from .models.export import engine_file
+    from .policy import CONTEXTS
+    args.context = args.context or list(CONTEXTS)
     _check_vk(args)
     ks = tuple(args.k or range(1, profiles.max_k() + 1))     # the default needs the engine, so only now
     draft = None if args.draft == "lookup" else args.draft
@@ -678,8 +680,8 @@ def _add_vk(benches) -> None:
     p = _bench_command(benches, "vk", "v(k), c and o: the costs speculative decoding is predicted from", cmd_bench_vk)
     _target_flags(p)
     p.add_argument("--draft", default=DRAFT, help="the draft whose c is measured (default %(default)s; 'lookup': none)")
-    p.add_argument("--context", type=_list(_COUNT), default=[128, 512, 2048], metavar="N,...",
-                   help="contexts, e.g. 256,2048 (default 128,512,2048)")
+    p.add_argument("--context", type=_list(_COUNT), metavar="N,...",
+                   help="contexts, e.g. 256,2048 (default: those the policy's cost table is measured at)")
     p.add_argument("--k", type=_list(_COUNT), metavar="K,...",
                    help="tokens per pass, 1 among them, e.g. 1,2,4 (default: 1 to the engine's MAX_K)")
 

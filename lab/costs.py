@@ -8,13 +8,14 @@ from .machine import machine
 from .protocol import fill, flat, forward_samples, interleave, paired_ratio
 
 
-def vk_bench(target, drafts: dict, contexts=(128, 512, 2048), ks=tuple(range(1, 17)), rounds: int = 5,
+def vk_bench(target, drafts: dict, contexts=None, ks=tuple(range(1, 17)), rounds: int = 5,
              reps: int = 3, progress: bool = False) -> dict:
     """v(k) = one target pass over k tokens / one single-token pass, k values interleaved, at
     each context; c = one draft step / one target step at the same context, for each of
     `drafts` (format -> Engine); o = a round's overhead (sampling, acceptance) / one target
-    step, with the first draft (prompt lookup if none)."""
-    it = contexts
+    step, with the first draft (prompt lookup if none). contexts: the policy's by default."""
+    from .policy import CONTEXTS
+    it = contexts = CONTEXTS if contexts is None else contexts
     if progress:
         from tqdm.auto import tqdm
         it = tqdm(contexts, desc="v(k)", unit="context")

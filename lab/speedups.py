@@ -6,6 +6,7 @@ from __future__ import annotations
 from . import prediction
 from .costs import vk_bench
 from .machine import machine
+from .speculative import SpeculationMismatch
 
 
 def checked_runs(target, drafters: dict, prompts: list[tuple[str, list[int]]], gammas, max_new_tokens: int):
@@ -18,7 +19,7 @@ def checked_runs(target, drafters: dict, prompts: list[tuple[str, list[int]]], g
             for g in gammas:
                 r = target.speculate(ids, d, gamma=g, max_new_tokens=max_new_tokens)
                 if r.tokens != plain.tokens:
-                    raise RuntimeError(f"speculative output differs from plain on {label} ({name}, gamma {g})")
+                    raise SpeculationMismatch(f"speculative output differs from plain on {label} ({name}, gamma {g})")
                 yield label, name, g, plain, r
 
 

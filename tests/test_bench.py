@@ -134,6 +134,25 @@ def test_gamma_bench_predicts_every_group_drafter_and_gamma(pair):
     assert all(r["predicted"] > 0 and r["measured"] > 0 for r in g["table"])
 
 
+def test_checked_runs_stop_on_a_speculative_output_that_differs(pair):
+    """The speed-up benches refuse a speculative run whose greedy output is not plain's, with
+    the project's mismatch error, whichever bench asked."""
+    from types import SimpleNamespace
+    from lab.speculative import SpeculationMismatch
+    t, d = pair
+
+    class Off:                                    # speculation whose last token is wrong
+        def __getattr__(self, name):
+            return getattr(t, name)
+
+        def speculate(self, ids, draft, **kw):
+            r = t.speculate(ids, draft, **kw)
+            return SimpleNamespace(tokens=r.tokens[:-1] + [r.tokens[-1] + 1])
+    runs = speedups.checked_runs(Off(), {"draft": d}, [("a", [1, 2, 3])], (2,), 8)
+    with pytest.raises(SpeculationMismatch, match="differs from plain on a .draft, gamma 2."):
+        list(runs)
+
+
 def test_threads_bench_hands_the_engines_back(pair):
     """Every configuration times the three phases; the engines keep their own pool afterwards."""
     t, d = pair
