@@ -39,6 +39,10 @@ static_assert(sizeof(BlockQ4::d) == SCALE_BYTES, "both formats share the scales 
 
 constexpr int block_bytes(int fmt) { return fmt == FMT_Q4 ? Q4_BYTES : Q8_BYTES; }
 
+// Bytes padded to whole cache lines: a packed matrix's bytes start on the line after its
+// scales, in memory and in a file.
+constexpr int64_t line_up(int64_t bytes) { return (bytes + 63) / 64 * 64; }
+
 // ----------------------------------------------------------------------------
 // The packed tile layout (lab.h, PackedMat): where each tile's blocks lie
 // ----------------------------------------------------------------------------

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "clock.h"
@@ -42,6 +43,7 @@ constexpr int K_BLOCK = 16;
 inline size_t k_at(int t, int i, int D) {
     return (size_t)(t / K_BLOCK) * K_BLOCK * D + (size_t)i * K_BLOCK + t % K_BLOCK;
 }
+constexpr int k_cache_positions(int n) { return (n + K_BLOCK - 1) / K_BLOCK * K_BLOCK; }
 
 // Attention against one KV head for `tokens` consecutive query tokens: token j's `group`
 // query heads (at q + j * q_stride, D floats each) see cached positions [0, n0 + j) and
@@ -136,6 +138,15 @@ constexpr int SCORE_BLOCK = 32;
 static_assert(SCORE_BLOCK % K_BLOCK == 0, "a score tile takes whole blocks of the K cache");
 // The work buffer beside the scores, per thread: either block as floats.
 constexpr int ATT_BUF_ROWS = SCORE_BLOCK > VALUE_BLOCK ? SCORE_BLOCK : VALUE_BLOCK;
+
+// One task's scratch: the scores of `rows` rows over up to `ctx` positions, then the block
+// buffer on a cache line of its own (16 floats of room to get there).
+constexpr size_t att_scratch_floats(int rows, int ctx, int D) {
+    return (size_t)rows * ctx + (size_t)ATT_BUF_ROWS * D + 16;
+}
+inline float* att_buffer(float* scores, int rows, int ctx) {
+    return (float*)(((uintptr_t)(scores + (size_t)rows * ctx) + 63) & ~(uintptr_t)63);
+}
 
 namespace att256 {
 struct Vec {
@@ -468,7 +479,7 @@ bool Model::load(const char* path, int max_context, bool in_memory) {
 // The caches and work buffers: sized by the header (already bounded) and max_context.
 void Model::Impl::allocate() {
     const int max_context = max_ctx, H = h.hidden_size, I = h.intermediate_size;
-    cache_ctx = (max_context + K_BLOCK - 1) / K_BLOCK * K_BLOCK;
+    cache_ctx = k_cache_positions(max_context);
     const size_t cache = (size_t)h.num_layers * h.num_kv_heads * cache_ctx * h.head_dim;
     kcache.assign(cache, 0);
     vcache.assign(cache, 0);
@@ -491,7 +502,7 @@ void Model::Impl::allocate() {
     logits_tmp.resize((size_t)K * vocab);
     const int group = h.num_heads / h.num_kv_heads;
     att_rows = std::max(group, ATT_ROWS / group * group);
-    scratch.resize((size_t)online_cpus() * ((size_t)att_rows * max_context + ATT_BUF_ROWS * h.head_dim + 16) + 64);
+    scratch.resize((size_t)online_cpus() * att_scratch_floats(att_rows, max_context, h.head_dim) + 64);
 }
 
 // ============================================================================
@@ -566,7 +577,7 @@ static AttendFn attend_for(int path, int D) {
 void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int path) {
     const int D = h.head_dim, KV = h.num_kv_heads, group = h.num_heads / KV;
     const float scale = (float)std::pow((double)D, -0.5);
-    const size_t per_thread = (size_t)att_rows * max_ctx + ATT_BUF_ROWS * D + 16;
+    const size_t per_thread = att_scratch_floats(att_rows, max_ctx, D);
     const AttendFn attend = attend_for(path, D);
     // A task: one KV head and up to `per` tokens, whose query heads all share each K and V
     // row it reads (a verification pass reads the cache once, not once per token) -- as long
@@ -577,7 +588,7 @@ void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int pat
     const int chunks = (k + per - 1) / per;
     for_range(pool, KV * chunks, 1, [&](int b, int e, int tid) {
         float* scores = scratch.data() + (size_t)tid * per_thread;
-        float* row = (float*)(((uintptr_t)(scores + (size_t)att_rows * max_ctx) + 63) & ~(uintptr_t)63);
+        float* row = att_buffer(scores, att_rows, max_ctx);
         for (int task = b; task < e; task++) {
             const int kvh = task / chunks, j0 = task % chunks * per;
             const size_t base = (((size_t)layer * KV + kvh) * cache_ctx) * D;
@@ -710,19 +721,15 @@ int bench_attention(int D, int group, int tokens, int n0, int path, int reps, do
         path >= PATH_COUNT || !path_supported(path))
         return 1;
     const int n = n0 + tokens - 1, R = group * tokens;
-    const size_t cached = (size_t)(n + K_BLOCK - 1) / K_BLOCK * K_BLOCK * D;
+    const size_t cached = (size_t)k_cache_positions(n) * D;
     std::vector<uint16_t> K(cached), V(cached);
-    std::vector<float> q((size_t)R * D), out((size_t)R * D);
-    std::vector<float> scratch((size_t)R * n + ATT_BUF_ROWS * D + 16);
-    uint64_t s = 0x9E3779B97F4A7C15ull;
-    const auto uniform = [&s] {                       // [-1, 1): scores of a realistic spread
-        s = s * 6364136223846793005ull + 1442695040888963407ull;
-        return (float)((s >> 40) * (1.0 / (1 << 23))) - 1.0f;
-    };
+    std::vector<float> q((size_t)R * D), out((size_t)R * D), scratch(att_scratch_floats(R, n, D));
+    Rng rng(1);
+    const auto uniform = [&rng] { return (float)(2 * rng.uniform() - 1); };   // [-1, 1): a realistic spread of scores
     for (auto& x : K) x = fp32_to_fp16(uniform());
     for (auto& x : V) x = fp32_to_fp16(uniform());
     for (auto& x : q) x = uniform();
-    float* row = (float*)(((uintptr_t)(scratch.data() + (size_t)R * n) + 63) & ~(uintptr_t)63);
+    float* row = att_buffer(scratch.data(), R, n);
     const Queries a{q.data(), (size_t)group * D, out.data(), (size_t)group * D, group, tokens, n0, D};
     const AttendFn attend = attend_for(path, D);
     const float scale = 1.0f / std::sqrt((float)D);

@@ -26,7 +26,7 @@ int64_t packed_nbytes(int fmt, int rows, int cols) {
 // once, and 4 KB pages would cost a TLB miss every 4 KB of it.
 void* alloc_huge(size_t bytes) {
     constexpr size_t HUGE_PAGE = 2u << 20;
-    if (bytes < HUGE_PAGE) return std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (bytes < HUGE_PAGE) return std::aligned_alloc(64, (size_t)line_up((int64_t)bytes));
     void* p = std::aligned_alloc(HUGE_PAGE, (bytes + HUGE_PAGE - 1) / HUGE_PAGE * HUGE_PAGE);
     if (p) madvise(p, bytes, MADV_HUGEPAGE);
     return p;
@@ -41,17 +41,24 @@ int64_t Packed::nbytes() const {
     return mem_ ? packed_nbytes(m_.fmt, m_.rows, m_.cols) : 0;
 }
 
+// A fresh packed matrix's memory in mem (the old one freed): its scales, then its bytes on a
+// line of their own.
+static void take_regions(void*& mem, int fmt, int rows, int cols, uint16_t** d, uint8_t** q) {
+    const int64_t dbytes = line_up(packed_scale_count(rows, cols) * SCALE_BYTES);
+    std::free(mem);
+    mem = alloc_huge((size_t)(dbytes + line_up(packed_byte_count(fmt, rows, cols))));
+    *d = (uint16_t*)mem;
+    *q = (uint8_t*)mem + dbytes;
+}
+
 int Packed::pack(const QMat& W) {
     if (W.fmt != FMT_Q4 && W.fmt != FMT_Q8) return MM_BAD_FORMAT;
     if (W.rows < 1 || W.cols < QK || W.cols % QK) return MM_SHAPE;
     const int nb = W.cols / QK, tiles = (int)tile_count(W.rows);
     const int bpb = block_bytes(W.fmt), chunks = block_chunks(W.fmt);
-    const int64_t ns = packed_scale_count(W.rows, W.cols), nq = packed_byte_count(W.fmt, W.rows, W.cols);
-    const int64_t dbytes = (ns * SCALE_BYTES + 63) / 64 * 64;
-    std::free(mem_);
-    mem_ = alloc_huge((size_t)(dbytes + (nq + 63) / 64 * 64));
-    uint16_t* d = (uint16_t*)mem_;
-    uint8_t* q = (uint8_t*)mem_ + dbytes;
+    uint16_t* d;
+    uint8_t* q;
+    take_regions(mem_, W.fmt, W.rows, W.cols, &d, &q);
     const uint8_t flip = W.fmt == FMT_Q8 ? 0x80 : 0;   // q8 bytes enter vpdpbusd unsigned
     for (int t = 0; t < tiles; t++) {
         for (int b = 0; b < nb; b++) {
@@ -82,11 +89,9 @@ int Packed::gather(const PackedMat& src, const int32_t* rows, int n) {
         if (rows[i] < 0 || rows[i] >= src.rows) return MM_SHAPE;
     const int nb = src.cols / QK, tiles = (int)tile_count(n), chunks = block_chunks(src.fmt);
     const int64_t ns = packed_scale_count(n, src.cols), nq = packed_byte_count(src.fmt, n, src.cols);
-    const int64_t dbytes = (ns * SCALE_BYTES + 63) / 64 * 64;
-    std::free(mem_);
-    mem_ = alloc_huge((size_t)(dbytes + (nq + 63) / 64 * 64));
-    uint16_t* d = (uint16_t*)mem_;
-    uint8_t* q = (uint8_t*)mem_ + dbytes;
+    uint16_t* d;
+    uint8_t* q;
+    take_regions(mem_, src.fmt, n, src.cols, &d, &q);
     std::memset(d, 0, (size_t)ns * SCALE_BYTES);            // rows past n: zero scales, the zero byte
     std::memset(q, src.fmt == FMT_Q8 ? 0x80 : 0, (size_t)nq);
     for (int i = 0; i < n; i++) {

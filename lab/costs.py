@@ -19,14 +19,15 @@ def vk_bench(target, drafts: dict, contexts=None, ks=tuple(range(1, 17)), rounds
     if progress:
         from tqdm.auto import tqdm
         it = tqdm(contexts, desc="v(k)", unit="context")
-    records = [r for ctx in it for r in _records_at(target, drafts, ctx, ks, rounds, reps)]
+    records = [r for ctx in it for r in records_at(target, drafts, ctx, ks, rounds, reps)]
     o = overhead(target, next(iter(drafts.values()), None))
     return {"machine": machine(), "threads": target.pool.threads, "records": records, "o": o["o_greedy"],
             "overhead": o}
 
 
-def _records_at(target, drafts: dict, ctx: int, ks, rounds: int, reps: int) -> list[dict]:
-    """v(k) for each k and c for each draft at one context, every pass interleaved with the rest."""
+def records_at(target, drafts: dict, ctx: int, ks, rounds: int, reps: int) -> list[dict]:
+    """v(k) for each k and c for each draft (name -> Engine) at one context, every pass
+    interleaved with the rest, each a ratio to the one-token pass of its round."""
     fill(target, ctx, *drafts.values())
     batch = {k: np.random.default_rng(k).integers(0, target.vocab, k).astype(np.int32) for k in ks}
     cands = {f"k{k}": (lambda k=k: forward_samples(target, batch[k], ctx, reps)) for k in ks}

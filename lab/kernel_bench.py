@@ -10,7 +10,8 @@ import numpy as np
 from . import kernels, native
 from .ceilings import best_variant, dot_peak, dot_sampler
 from .machine import machine
-from .protocol import flat, interleave, matmul_samples, paired_ratio, read_buffer, read_sampler, summary
+from .protocol import (attention_samples, flat, interleave, matmul_samples, paired_ratio, read_buffer, read_sampler,
+                       summary)
 
 # Working sets: DRAM is far past the 32 MB last-level cache; L2 fits one core's 1 MB L2.
 DRAM_SHAPE = {"q4": (57344, 8192), "q8": (30720, 8192)}     # about 264 and 267 MB
@@ -72,17 +73,9 @@ def attention_records(path: int, contexts=(256, 2048), ks=(1, 4, 8), rounds: int
     """Attention alone on one thread, as one task of a pass runs it: k tokens' `group` query
     heads against one KV head of `context` cached positions (cache-resident), every (context, k)
     interleaved. GMAC/s counts the scores' and the values' multiply-adds."""
-    ns = native.lib()
-
-    def sampler(ctx, k):
-        def run():
-            secs = np.zeros(reps)
-            if ns.bench_attention(head_dim, group, k, ctx, path, reps, secs):
-                raise ValueError(f"bench_attention refused head_dim {head_dim}, group {group}, k {k}, context {ctx}")
-            return list(secs)
-        return run
     cells = [(c, k) for c in contexts for k in ks]
-    samples = interleave({cell: sampler(*cell) for cell in cells}, rounds)
+    samples = interleave({(c, k): (lambda c=c, k=k: attention_samples(head_dim, group, k, c, path, reps))
+                          for c, k in cells}, rounds)
     out = []
     for c, k in cells:
         us = summary(flat(samples[c, k]))["median"] * 1e6

@@ -107,20 +107,13 @@ def costs_path(target, draft) -> Path:
 
 def costs_at(target, drafts: dict, context: int, kmax: int = 9, rounds: int = 3,
              reps: int = 2) -> tuple[list[float], dict]:
-    """v(0..kmax) and each draft's c (name -> c) at one context, every candidate timed once a
-    round in turn, so each ratio pairs neighbours in time. v is made non-decreasing in k:
-    k + 1 tokens never cost less than k, so a dip is noise."""
-    from .protocol import fill, forward_samples, interleave, paired_ratio
-    ids = fill(target, context, *drafts.values())
-    batch = {k: np.resize(ids, k).astype(np.int32) for k in range(1, kmax + 1)}
-    cands = {k: (lambda k=k: forward_samples(target, batch[k], context, reps))
-             for k in batch}
-    for name, d in drafts.items():
-        cands[f"c:{name}"] = lambda d=d: forward_samples(d, batch[1], context, reps)
-    s = interleave(cands, rounds)
-    v = [paired_ratio(s[k], s[1])["median"] for k in batch]
-    v = isotonic(np.array(v), np.ones(len(v)))
-    return [0.0] + [float(x) for x in v], {n: paired_ratio(s[f"c:{n}"], s[1])["median"] for n in drafts}
+    """v(0..kmax) and each draft's c (name -> c) at one context, as `lab bench vk` measures
+    them (lab.costs). v is made non-decreasing in k: k + 1 tokens never cost less than k, so a
+    dip is noise."""
+    from .costs import records_at
+    rec = records_at(target, drafts, context, range(1, kmax + 1), rounds, reps)
+    v = isotonic(np.array([r["v"] for r in rec if r["kind"] == "v"]), np.ones(kmax))
+    return [0.0] + [float(x) for x in v], {r["format"]: r["c"] for r in rec if r["kind"] == "c"}
 
 
 def measure_costs(target, draft=None, contexts=CONTEXTS, kmax: int = 9, rounds: int = 7, reps: int = 2,

@@ -95,6 +95,17 @@ def forward_samples(engine, tokens: np.ndarray, pos: int, reps: int) -> list[flo
     return list(secs)
 
 
+def attention_samples(head_dim: int, group: int, k: int, context: int, path: int, reps: int) -> list[float]:
+    """Seconds for each of reps calls of attention alone (one task, one thread): k tokens'
+    `group` query heads against one KV head of `context` cached positions."""
+    ns = native.lib()
+    secs = np.zeros(reps)
+    rc = ns.bench_attention(head_dim, group, k, context, path, reps, secs)
+    if rc:
+        raise RuntimeError(f"bench_attention refused head_dim {head_dim}, group {group}, k {k}, context {context}")
+    return list(secs)
+
+
 def fill(engine, context: int, *others) -> np.ndarray:
     """Puts the same `context` tokens in the cache of engine and each of `others` (random ids:
     attention's cost does not read them)."""

@@ -29,7 +29,7 @@ def decode_bench(engine, context: int = 256, rounds: int = 7, reps: int = 5, sta
         engine.profile(stages)
         secs = forward_samples(engine, tok, context, reps)
         if stages:
-            per_round.append({k: v / (reps + 1) for k, v in engine.stage_seconds().items()})   # + the warm-up pass
+            per_round.append({name: s / (reps + 1) for name, s in engine.stage_seconds().items()})   # + the warm-up pass
             engine.profile(False)
         return [engine.weight_bytes / s / 1e9 for s in secs]
     samples = interleave({"step": step, "read": reader}, rounds)
