@@ -1,0 +1,134 @@
+"""Two versions of the attention kernel in one binary, timed alternately (docs/tuning.md).
+
+A is the engine's own attention on the AVX-512 path (`att512::attend`, compiled from
+kernels_cpp/model.cpp as it stands); B is a variant of kernels_cpp/attend.inc — a file of your
+own (--variant), or the engine's with one part left out (--drop values|scores|softmax), which
+says what that part costs. Each call of A and B takes one task of a pass: k tokens of the
+1.5B's head shape against one KV head of --context positions, cache-resident, or with
+--memory cycled over 96 heads so K and V come from memory. A and B alternate call by call,
+which of them goes first alternating too; an identical B reads about 1.02 (B/A median).
+
+    .venv/bin/python tools/attend_ab.py --drop values
+    .venv/bin/python tools/attend_ab.py --variant my_attend.inc --memory
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from lab import native  # noqa: E402
+
+BUILD = ROOT / "build" / "attend_ab"
+# The call each part of attend.inc is made by; dropping a part puts `if (0)` before it.
+PARTS = {"values": "with_rows<VALUE_ROWS>(", "scores": "with_rows<Vec::ROWS>(", "softmax": "softmax_rows(a, scores"}
+
+MAIN = r'''
+#include "model.cpp"
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f")
+namespace lab { namespace { namespace variant {
+using Vec = att512::Vec;
+#include "variant.inc"
+} } }
+#pragma GCC pop_options
+
+#include <cstdio>
+#include <cstdlib>
+
+int main(int argc, char** argv) {
+    using namespace lab;
+    const int D = 128, group = 6, n0 = std::atoi(argv[1]), calls = std::atoi(argv[2]), heads = std::atoi(argv[3]);
+    for (int tokens : {1, 5, 8}) {
+        const int n = n0 + tokens - 1, R = group * tokens;
+        const size_t cached = (size_t)k_cache_positions(n) * D;
+        std::vector<uint16_t> K(cached * heads), V(cached * heads);
+        std::vector<float> q((size_t)R * D), out((size_t)R * D), scratch(att_scratch_floats(R, n, D));
+        Rng rng(1);
+        for (auto& x : K) x = fp32_to_fp16((float)(2 * rng.uniform() - 1));
+        for (auto& x : V) x = fp32_to_fp16((float)(2 * rng.uniform() - 1));
+        for (auto& x : q) x = (float)(2 * rng.uniform() - 1);
+        float* buf = att_buffer(scratch.data(), R, n);
+        const Queries a{q.data(), (size_t)group * D, out.data(), (size_t)group * D, group, tokens, n0, D};
+        std::vector<double> ta, tb, ratio;
+        for (int c = 0; c < calls; c++) {
+            double t[2];
+            for (int w = 0; w < 2; w++) {
+                const bool a_now = (c + w) % 2 == 0;
+                const size_t h = (size_t)((2 * c + w) % heads) * cached;
+                const double t0 = now();
+                (a_now ? att512::attend : variant::attend)(a, K.data() + h, V.data() + h, 0.088f, scratch.data(), buf);
+                t[a_now ? 0 : 1] = now() - t0;
+            }
+            ta.push_back(t[0]);
+            tb.push_back(t[1]);
+            ratio.push_back(t[1] / t[0]);
+        }
+        for (auto* v : {&ta, &tb, &ratio}) std::sort(v->begin(), v->end());
+        const auto at = [&](const std::vector<double>& v, double f) { return v[(size_t)(f * (v.size() - 1))]; };
+        std::printf("k=%d  A min %.0f median %.0f us | B min %.0f median %.0f us | B/A median %.3f (IQR %.3f-%.3f)\n",
+                    tokens, ta[0] * 1e6, at(ta, .5) * 1e6, tb[0] * 1e6, at(tb, .5) * 1e6, at(ratio, .5),
+                    at(ratio, .25), at(ratio, .75));
+    }
+}
+'''
+
+
+def variant_source(variant: Path | None, drop: str | None) -> str:
+    src = (variant or native.SOURCE_DIR / "attend.inc").read_text()
+    if drop:
+        call = PARTS[drop]
+        if src.count(call) != 1:
+            raise SystemExit(f"--drop {drop}: attend.inc no longer makes that part by one `{call}` call; "
+                             f"update PARTS in {Path(__file__).name}")
+        src = src.replace(call, "if (0) " + call)
+    return src
+
+
+def build(variant_src: str) -> Path:
+    """The binary for this variant and these sources (cached by their content)."""
+    others = sorted(p for p in native.SOURCE_DIR.glob("*.cpp") if p.name != "model.cpp")
+    key = hashlib.sha256(variant_src.encode() + MAIN.encode() + b"".join(
+        p.read_bytes() for p in sorted(native.SOURCE_DIR.iterdir()) if p.is_file())).hexdigest()[:16]
+    exe = BUILD / f"attend_ab-{key}"
+    if exe.exists():
+        return exe
+    BUILD.mkdir(parents=True, exist_ok=True)
+    (BUILD / "variant.inc").write_text(variant_src)
+    (BUILD / "main.cpp").write_text(MAIN)
+    flags = [f for f in native.flags() if f not in ("-fPIC", "-shared")]
+    cmd = [native.compiler(), *flags, f"-I{BUILD}", f"-I{native.SOURCE_DIR}", str(BUILD / "main.cpp"),
+           *map(str, others), "-o", str(exe)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode:
+        raise SystemExit(f"the A/B binary did not build:\n{r.stderr[-4000:]}")
+    return exe
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--variant", type=Path, help="B: this attend.inc instead of the engine's")
+    g.add_argument("--drop", choices=sorted(PARTS), help="B: the engine's attend.inc without this part")
+    p.add_argument("--context", type=int, default=2048, help="cached positions (default 2048)")
+    p.add_argument("--calls", type=int, default=400, help="calls of each version per k (default 400)")
+    p.add_argument("--memory", action="store_true", help="cycle K and V over 96 heads, so they come from memory")
+    a = p.parse_args(argv)
+    if "avx512vnni" not in native.supported_paths():
+        raise SystemExit("this CPU lacks the AVX-512 path whose attention the A/B times")
+    if a.context < 1 or a.calls < 1:
+        raise SystemExit("--context and --calls: give positive numbers")
+    exe = build(variant_source(a.variant, a.drop))
+    out = subprocess.run([str(exe), str(a.context), str(a.calls), "96" if a.memory else "1"],
+                         capture_output=True, text=True, check=True).stdout
+    print(out, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
