@@ -20,7 +20,8 @@ pytestmark = [pytest.mark.slow,
 def test_the_ab_builds_and_times_both(args):
     out = subprocess.run([*TOOL, *args, "--calls", "5", "--context", "100"], capture_output=True, text=True,
                          check=True).stdout
-    lines = out.strip().splitlines()
+    peak, *lines = out.strip().splitlines()
+    assert peak.startswith("float FMA peak") and float(peak.split(": ")[1].split()[0]) > 0
     assert [x.split()[0] for x in lines] == ["k=1", "k=5", "k=8"]
     assert all(float(x.split("B/A median ")[1].split()[0]) > 0 for x in lines)
 

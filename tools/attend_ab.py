@@ -5,7 +5,8 @@ kernels_cpp/model.cpp as it stands); B is a variant of kernels_cpp/attend.inc â€
 own (--variant), or the engine's with one part left out (--drop values|scores|softmax), which
 says what that part costs. Each call of A and B takes one task of a pass: k tokens of the
 1.5B's head shape against one KV head of --context positions, cache-resident, or with
---memory cycled over 96 heads so K and V come from memory. A and B alternate call by call,
+--memory cycled over 96 heads so K and V come from memory; first, the float peak the loops are
+held against (16 chains of 512-bit FMAs). A and B alternate call by call,
 which of them goes first alternating too; an identical B reads about 1.02 (B/A median).
 
     .venv/bin/python tools/attend_ab.py --drop values
@@ -41,9 +42,30 @@ using Vec = att512::Vec;
 #include <cstdio>
 #include <cstdlib>
 
+// The float peak the loops are held against: 16 independent chains of 512-bit FMAs, one thread.
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+static double fma_peak_gmacs(long n) {
+    __m512 a[16];
+    for (int i = 0; i < 16; i++) a[i] = _mm512_set1_ps(0.01f * (i + 1));
+    const __m512 m = _mm512_set1_ps(0.999f), c = _mm512_set1_ps(1e-4f);
+    const double t0 = lab::now();
+    for (long r = 0; r < n; r++)
+        for (int i = 0; i < 16; i++) a[i] = _mm512_fmadd_ps(a[i], m, c);
+    const double t = lab::now() - t0;
+    float sink = 0;
+    for (int i = 0; i < 16; i++) sink += _mm512_reduce_add_ps(a[i]);
+    if (sink == 12345.f) std::printf(" ");              // the chains' results are used
+    return 16.0 * 16 * n / t / 1e9;
+}
+#pragma GCC pop_options
+
 int main(int argc, char** argv) {
     using namespace lab;
     const int D = 128, group = 6, n0 = std::atoi(argv[1]), calls = std::atoi(argv[2]), heads = std::atoi(argv[3]);
+    double peak = 0;
+    for (int r = 0; r < 5; r++) peak = std::max(peak, fma_peak_gmacs(20000000));
+    std::printf("float FMA peak, one thread: %.1f G multiply-adds a second (the best of 5)\n", peak);
     for (int tokens : {1, 5, 8}) {
         const int n = n0 + tokens - 1, R = group * tokens;
         const size_t cached = (size_t)k_cache_positions(n) * D;
@@ -71,9 +93,10 @@ int main(int argc, char** argv) {
         }
         for (auto* v : {&ta, &tb, &ratio}) std::sort(v->begin(), v->end());
         const auto at = [&](const std::vector<double>& v, double f) { return v[(size_t)(f * (v.size() - 1))]; };
-        std::printf("k=%d  A min %.0f median %.0f us | B min %.0f median %.0f us | B/A median %.3f (IQR %.3f-%.3f)\n",
-                    tokens, ta[0] * 1e6, at(ta, .5) * 1e6, tb[0] * 1e6, at(tb, .5) * 1e6, at(ratio, .5),
-                    at(ratio, .25), at(ratio, .75));
+        const double macs = 2.0 * R * n0 * D;
+        std::printf("k=%d  A min %.0f median %.0f us (%.0f GMAC/s at its fastest) | B min %.0f median %.0f us | "
+                    "B/A median %.3f (IQR %.3f-%.3f)\n", tokens, ta[0] * 1e6, at(ta, .5) * 1e6, macs / ta[0] / 1e9,
+                    tb[0] * 1e6, at(tb, .5) * 1e6, at(ratio, .5), at(ratio, .25), at(ratio, .75));
     }
 }
 '''
