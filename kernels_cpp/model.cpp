@@ -127,6 +127,30 @@ static void softmax_rows(const Queries& a, float* scores, size_t stride, int n) 
     }
 }
 
+// Lines of the cache's next block, fetched a few at a time among the arithmetic on this one,
+// so the stream from memory runs under the arithmetic: fetched in a burst before it, a block
+// waited for memory and then left memory idle while its arithmetic ran (docs/tuning.md).
+class Ahead {
+  public:
+    Ahead() = default;
+    // `bytes` from `from`, spread over `steps` calls of step()
+    Ahead(const void* from, size_t bytes, int steps) : p_((const char*)from), end_(p_ + bytes) {
+        const int lines = (int)((bytes + 63) / 64);
+        every_ = steps > lines ? steps / lines : 1;
+        per_ = lines > steps ? (lines + steps - 1) / steps : 1;
+    }
+    void step() {
+        if (++n_ < every_ || p_ >= end_) return;
+        n_ = 0;
+        for (int j = 0; j < per_ && p_ < end_; j++, p_ += 64) _mm_prefetch(p_, _MM_HINT_T0);
+    }
+
+  private:
+    const char* p_ = nullptr;
+    const char* end_ = nullptr;
+    int every_ = 1, per_ = 1, n_ = 0;
+};
+
 // Positions whose values, as floats (32 x D: 16 KB at D = 128), stay in L1 while every row
 // and every slice of D passes over them, so V streams from memory once and is converted once.
 constexpr int VALUE_BLOCK = 32;

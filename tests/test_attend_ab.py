@@ -35,3 +35,12 @@ def test_a_part_the_kernel_no_longer_calls_once_is_refused(tmp_path):
         attend_ab.variant_source(v, "softmax")
     r = subprocess.run([*TOOL, "--drop", "nothing"], capture_output=True, text=True)
     assert r.returncode != 0 and "invalid choice" in r.stderr
+
+
+def test_memory_mode_cycles_past_the_last_level_cache():
+    sys.path.insert(0, str(ROOT / "tools"))
+    import attend_ab
+    llc = attend_ab.last_level_cache_bytes()
+    for context in (100, 2048):
+        per_head = 2 * (context + 8 + 15) // 16 * 16 * 128 * 2
+        assert attend_ab.memory_heads(context) * per_head >= 4 * llc

@@ -5,7 +5,8 @@ kernels_cpp/model.cpp as it stands); B is a variant of kernels_cpp/attend.inc â€
 own (--variant), or the engine's with one part left out (--drop values|scores|softmax), which
 says what that part costs. Each call of A and B takes one task of a pass: k tokens of the
 1.5B's head shape against one KV head of --context positions, cache-resident, or with
---memory cycled over 96 heads so K and V come from memory; first, the float peak the loops are
+--memory cycled over heads four times the last-level cache in all, so K and V come from
+memory (over fewer, a large L3 serves them); first, the float peak the loops are
 held against (16 chains of 512-bit FMAs). A and B alternate call by call,
 which of them goes first alternating too; an identical B reads about 1.02 (B/A median).
 
@@ -133,6 +134,19 @@ def build(variant_src: str) -> Path:
     return exe
 
 
+def last_level_cache_bytes() -> int:
+    """The largest cache of CPU 0, from sysfs (256 MB where sysfs does not say)."""
+    sizes = [int(f.read_text().strip().rstrip("K")) << 10
+             for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size") if f.read_text().strip()[:-1].isdigit()]
+    return max(sizes, default=256 << 20)
+
+
+def memory_heads(context: int) -> int:
+    """Heads to cycle K and V over so the whole set is four times the last-level cache."""
+    per_head = 2 * (context + 8 + 15) // 16 * 16 * 128 * 2      # K and V, fp16, the 8-token task's padded cache
+    return max(8, -(-4 * last_level_cache_bytes() // per_head))
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     g = p.add_mutually_exclusive_group()
@@ -140,14 +154,15 @@ def main(argv=None) -> int:
     g.add_argument("--drop", choices=sorted(PARTS), help="B: the engine's attend.inc without this part")
     p.add_argument("--context", type=int, default=2048, help="cached positions (default 2048)")
     p.add_argument("--calls", type=int, default=400, help="calls of each version per k (default 400)")
-    p.add_argument("--memory", action="store_true", help="cycle K and V over 96 heads, so they come from memory")
+    p.add_argument("--memory", action="store_true",
+                   help="cycle K and V over heads four times the last-level cache, so they come from memory")
     a = p.parse_args(argv)
     if "avx512vnni" not in native.supported_paths():
         raise SystemExit("this CPU lacks the AVX-512 path whose attention the A/B times")
     if a.context < 1 or a.calls < 1:
         raise SystemExit("--context and --calls: give positive numbers")
     exe = build(variant_source(a.variant, a.drop))
-    out = subprocess.run([str(exe), str(a.context), str(a.calls), "96" if a.memory else "1"],
+    out = subprocess.run([str(exe), str(a.context), str(a.calls), str(memory_heads(a.context)) if a.memory else "1"],
                          capture_output=True, text=True, check=True).stdout
     print(out, end="")
     return 0
