@@ -63,13 +63,16 @@ static double fma_peak_gmacs(long n) {
 
 int main(int argc, char** argv) {
     using namespace lab;
-    const int D = 128, group = 6, n0 = std::atoi(argv[1]), calls = std::atoi(argv[2]), heads = std::atoi(argv[3]);
+    const int D = 128, group = 6, n0 = std::atoi(argv[1]), calls = std::atoi(argv[2]);
+    const size_t set_bytes = std::strtoull(argv[3], nullptr, 10);
     double peak = 0;
     for (int r = 0; r < 5; r++) peak = std::max(peak, fma_peak_gmacs(20000000));
     std::printf("float FMA peak, one thread: %.1f G multiply-adds a second (the best of 5)\n", peak);
     for (int tokens : {1, 5, 8}) {
         const int n = n0 + tokens - 1, R = group * tokens;
         const size_t cached = (size_t)k_cache_positions(n) * D;
+        // memory mode: enough heads that their K and V fill set_bytes; else one, cache-resident
+        const size_t heads = std::max<size_t>(1, (set_bytes + 4 * cached - 1) / (4 * cached));
         std::vector<uint16_t> K(cached * heads), V(cached * heads);
         std::vector<float> q((size_t)R * D), out((size_t)R * D), scratch(att_scratch_floats(R, n, D));
         Rng rng(1);
@@ -96,8 +99,9 @@ int main(int argc, char** argv) {
         const auto at = [&](const std::vector<double>& v, double f) { return v[(size_t)(f * (v.size() - 1))]; };
         const double macs = 2.0 * R * n0 * D;
         std::printf("k=%d  A min %.0f median %.0f us (%.0f GMAC/s at its fastest) | B min %.0f median %.0f us | "
-                    "B/A median %.3f (IQR %.3f-%.3f)\n", tokens, ta[0] * 1e6, at(ta, .5) * 1e6, macs / ta[0] / 1e9,
-                    tb[0] * 1e6, at(tb, .5) * 1e6, at(ratio, .5), at(ratio, .25), at(ratio, .75));
+                    "B/A median %.3f (IQR %.3f-%.3f) | K and V over %zu heads, %.3f MB\n", tokens, ta[0] * 1e6,
+                    at(ta, .5) * 1e6, macs / ta[0] / 1e9, tb[0] * 1e6, at(tb, .5) * 1e6, at(ratio, .5), at(ratio, .25),
+                    at(ratio, .75), heads, 4.0 * cached * heads / 1e6);
     }
 }
 '''
@@ -136,15 +140,8 @@ def build(variant_src: str) -> Path:
 
 def last_level_cache_bytes() -> int:
     """The largest cache of CPU 0, from sysfs (256 MB where sysfs does not say)."""
-    sizes = [int(f.read_text().strip().rstrip("K")) << 10
-             for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size") if f.read_text().strip()[:-1].isdigit()]
-    return max(sizes, default=256 << 20)
-
-
-def memory_heads(context: int) -> int:
-    """Heads to cycle K and V over so the whole set is four times the last-level cache."""
-    per_head = 2 * (context + 8 + 15) // 16 * 16 * 128 * 2      # K and V, fp16, the 8-token task's padded cache
-    return max(8, -(-4 * last_level_cache_bytes() // per_head))
+    texts = [f.read_text().strip() for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size")]
+    return max((int(t[:-1]) << 10 for t in texts if t.endswith("K") and t[:-1].isdigit()), default=256 << 20)
 
 
 def main(argv=None) -> int:
@@ -162,7 +159,7 @@ def main(argv=None) -> int:
     if a.context < 1 or a.calls < 1:
         raise SystemExit("--context and --calls: give positive numbers")
     exe = build(variant_source(a.variant, a.drop))
-    out = subprocess.run([str(exe), str(a.context), str(a.calls), str(memory_heads(a.context)) if a.memory else "1"],
+    out = subprocess.run([str(exe), str(a.context), str(a.calls), str(4 * last_level_cache_bytes() if a.memory else 0)],
                          capture_output=True, text=True, check=True).stdout
     print(out, end="")
     return 0
