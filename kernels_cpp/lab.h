@@ -156,7 +156,8 @@ private:
 };
 void* alloc_huge(size_t bytes);   // 64-byte aligned; on 2 MB pages when large (free with free())
 
-// Memory allocated the way weights are (for benchmarks that must read like the kernels do).
+// Memory allocated the way weights are: on 2 MB pages when large (the KV cache, and benchmarks
+// that must read like the kernels do).
 class Buffer {
 public:
     explicit Buffer(int64_t bytes) : p_((uint8_t*)alloc_huge((size_t)bytes)), n_(bytes) {}

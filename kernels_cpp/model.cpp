@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -317,7 +318,10 @@ struct Model::Impl {
     std::vector<int32_t> ids;          // trim's tokens, then extra's
     std::vector<uint8_t> kept;         // [vocab_size]: 1 where trim or extra has the token
     std::vector<Layer> layers;
-    std::vector<uint16_t> kcache, vcache;
+    // on 2 MB pages, as the weights: attention streams the whole cache every step
+    std::unique_ptr<Buffer> kbuf, vbuf;
+    uint16_t* kcache = nullptr;
+    uint16_t* vcache = nullptr;
     std::vector<uint16_t> khalf;       // one K row in fp16, on its way into the blocked cache
     std::vector<float> cos_t, sin_t;
     std::vector<float> x, xn, qkv, att, gu, hb, tmp, logits_tmp;
@@ -505,8 +509,13 @@ void Model::Impl::allocate() {
     const int max_context = max_ctx, H = h.hidden_size, I = h.intermediate_size;
     cache_ctx = k_cache_positions(max_context);
     const size_t cache = (size_t)h.num_layers * h.num_kv_heads * cache_ctx * h.head_dim;
-    kcache.assign(cache, 0);
-    vcache.assign(cache, 0);
+    for (auto* b : {&kbuf, &vbuf}) {
+        *b = std::make_unique<Buffer>((int64_t)(cache * sizeof(uint16_t)));
+        if (!(*b)->data()) throw std::bad_alloc();
+        std::memset((*b)->data(), 0, cache * sizeof(uint16_t));
+    }
+    kcache = (uint16_t*)kbuf->data();
+    vcache = (uint16_t*)vbuf->data();
     khalf.resize(h.head_dim);
     const int half = h.head_dim / 2;
     cos_t.resize((size_t)max_context * half);
@@ -619,7 +628,7 @@ void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int pat
             const Queries a{qkv.data() + (size_t)j0 * qkv_rows + (size_t)kvh * group * D, (size_t)qkv_rows,
                             att.data() + (size_t)j0 * q_dim + (size_t)kvh * group * D, (size_t)q_dim,
                             group, std::min(per, k - j0), pos + j0 + 1, D};
-            attend(a, kcache.data() + base, vcache.data() + base, scale, scores, row);
+            attend(a, kcache + base, vcache + base, scale, scores, row);
         }
     });
 }
