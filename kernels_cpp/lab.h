@@ -87,11 +87,14 @@ struct Tuning {
     int prefetch_k1 = 8192;
     int prefetch_l1_k = 4096;
     int prefetch_l2_k = 16384;
-    bool q4_k2_single = false;              // 4-bit matrices at k = 2 take the single-token scheme
+    // Whether 2, 3 or 4 tokens of a format take the single-token scheme (one token always does;
+    // past four the arithmetic binds as much as the stream, and the k >= 2 scheme stays).
+    bool q4_single_k2 = false, q4_single_k3 = false, q4_single_k4 = false;
+    bool q8_single_k2 = true, q8_single_k3 = false, q8_single_k4 = false;
     int64_t guided_min_bytes = 96 << 10;    // the smallest guided share
     int64_t guided_from_bytes = 4 << 20;    // smaller matrices go in static halves
 };
-Tuning default_tuning();                    // the above, with this CPU's default q4_k2_single
+Tuning default_tuning();                    // the above, with this CPU's default q4_single_k2
 Tuning tuning();                            // the values in force
 int set_tuning(const Tuning& t);            // between kernel calls; 1 (and no change) when out of range
 

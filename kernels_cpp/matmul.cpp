@@ -156,9 +156,18 @@ namespace avx512 {
 // into L1 and nothing more: a further request into L2 slowed it. Several tokens are bound by
 // arithmetic as much as by the stream, and the hardware prefetcher falls behind a stream read
 // that slowly, so they ask into L2 far ahead and into L1 near. Measurements: docs/tuning.md.
-// Which kernels take the single-token scheme: one token, and two tokens where the stream still
-// binds them -- 8-bit matrices always, 4-bit ones when Tuning::q4_k2_single says so.
-constexpr bool stream_bound(int fmt, int k, bool q4_k2) { return k == 1 || (k == 2 && (fmt == FMT_Q8 || q4_k2)); }
+// Which kernels take the single-token scheme: one token, and two to four tokens where the
+// stream still binds them, as Tuning says per format and k (measured per machine).
+static inline bool stream_bound(int fmt, int k, const Tuning& tn) {
+    const bool q4 = fmt == FMT_Q4;
+    switch (k) {
+        case 1: return true;
+        case 2: return q4 ? tn.q4_single_k2 : tn.q8_single_k2;
+        case 3: return q4 ? tn.q4_single_k3 : tn.q8_single_k3;
+        case 4: return q4 ? tn.q4_single_k4 : tn.q8_single_k4;
+        default: return false;
+    }
+}
 
 // s + w . (the 4 activation bytes at a, in every lane), the bytes broadcast by the
 // instruction's own memory operand: no separate broadcast to issue per token and block.
@@ -244,9 +253,9 @@ static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, i
 
 using TunedFn = void (*)(const PackedMat&, const QActs&, float*, int64_t, int, int, const Tuning&);
 
-template <int FMT, bool Q4_K2, int... I>
+template <int FMT, bool SINGLE, int... I>
 constexpr std::array<TunedFn, sizeof...(I)> by_k(std::integer_sequence<int, I...>) {
-    return {tiles_k<FMT, I + 1, stream_bound(FMT, I + 1, Q4_K2)>...};
+    return {tiles_k<FMT, I + 1, SINGLE>...};
 }
 
 template <int FMT>
@@ -254,7 +263,8 @@ static void tiles(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int
     static constexpr auto apart = by_k<FMT, false>(std::make_integer_sequence<int, MAX_K>{});
     static constexpr auto single = by_k<FMT, true>(std::make_integer_sequence<int, MAX_K>{});
     const Tuning tn = tuning();
-    (tn.q4_k2_single ? single : apart)[A.k() - 1](W, A, y, ldy, t0, t1, tn);
+    const int k = A.k();
+    (stream_bound(FMT, k, tn) ? single : apart)[k - 1](W, A, y, ldy, t0, t1, tn);
 }
 
 }  // namespace avx512

@@ -1,8 +1,8 @@
 """Tuning by measurement: the engine's speed-only choices, timed on this machine.
 
 The choices (the C++ `Tuning`, kernels_cpp/lab.h): the AVX-512 kernel's prefetch distances for
-one token and for k >= 2, whether 4-bit matrices at k = 2 take the single-token scheme, and the
-matrix size from which the matmul split turns from static halves to guided shares, and the
+one token and for k >= 2, whether 2, 3 and 4 tokens take the single-token scheme (per format),
+the matrix size from which the matmul split turns from static halves to guided shares, and the
 guided split's smallest share (both judged on quiet cores and with one core shared with a
 co-runner, lab.slowcore, keeping the value that holds up on both). None of them
 changes a result (tests/test_tune.py checks every candidate bit for bit); the choices that change
@@ -34,8 +34,9 @@ from .files import write_text_atomic
 from .protocol import interleave, matmul_samples, summary
 from .slowcore import SlowCore
 
-FIELDS = ("prefetch_k1", "prefetch_l1_k", "prefetch_l2_k", "q4_k2_single", "guided_min_bytes",
-          "guided_from_bytes")
+SINGLE_K = (2, 3, 4)     # the token counts whose prefetch scheme is chosen, per format
+SINGLE = tuple(f"{fmt}_single_k{k}" for fmt in ("q4", "q8") for k in SINGLE_K)
+FIELDS = ("prefetch_k1", "prefetch_l1_k", "prefetch_l2_k", *SINGLE, "guided_min_bytes", "guided_from_bytes")
 MB = 1 << 20
 # What the tuner tries besides the default (which it always tries).
 PREFETCH_K1 = (2048, 4096, 8192, 16384)
@@ -59,7 +60,7 @@ _noted: set[str] = set()
 # ----------------------------------------------------------------------------
 
 def _as_dict(t) -> dict:
-    return {f: bool(getattr(t, f)) if f == "q4_k2_single" else int(getattr(t, f)) for f in FIELDS}
+    return {f: bool(getattr(t, f)) if f in SINGLE else int(getattr(t, f)) for f in FIELDS}
 
 
 def defaults() -> dict:
@@ -95,7 +96,7 @@ def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
     return {
         "prefetch_k1": {str(v): {"prefetch_k1": v} for v in k1},
         "prefetch_k": {f"{a}/{b}": {"prefetch_l1_k": a, "prefetch_l2_k": b} for a, b in pairs},
-        "q4_k2_single": {str(v).lower(): {"q4_k2_single": v} for v in (False, True)},
+        **{f: {str(v).lower(): {f: v} for v in (False, True)} for f in SINGLE},
         "guided_from_bytes": {str(v): {"guided_from_bytes": v} for v in froms},
         "guided_min_bytes": {str(v): {"guided_min_bytes": v} for v in mins},
     }
@@ -231,7 +232,7 @@ class _Bench:
             row = int(ns.packed_nbytes(native.consts().formats[fmt], 16, COLS)) // 16
             rows = max(16, (mb * MB // row) // 16 * 16)
             self.W[fmt] = kernels.pack(kernels.random_qtensor(fmt, rows, COLS, seed=rows))
-        for k in (1, 2, 4):
+        for k in sorted({1, 4, *SINGLE_K}):
             x = rng.standard_normal((k, COLS), dtype=np.float32)
             self.acts[k] = kernels.Acts(x, self.path_name)
 
@@ -285,7 +286,7 @@ def _label(cands: dict[str, dict], values: dict) -> str:
 def _stage_samplers(b: _Bench) -> dict[str, Callable[[], list[float]]]:
     """What each prefetch stage times: the kernels whose speed its values move."""
     return {"prefetch_k1": lambda: b.both(1), "prefetch_k": lambda: b.both(4),
-            "q4_k2_single": lambda: b.matmul("q4", 2)}
+            **{f"{fmt}_single_k{k}": (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for fmt in ("q4", "q8") for k in SINGLE_K}}
 
 
 def _threshold_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
