@@ -1,9 +1,9 @@
 """The automatic speculation policy: what the round loop needs to decide a round, and where
 it comes from (the cost model it plans with: docs/science.md §1).
 
-- Costs: this machine's v(k), c and o at a few contexts, measured once per machine and pair
-  of models (lab.protocol: interleaved, medians of paired ratios) and cached under
-  cache_dir()/costs/.
+- Costs: this machine's v(k), c and o at a few contexts, measured once per machine, build of
+  the engine (and its tuning) and pair of models (lab.protocol: interleaved, medians of paired
+  ratios) and cached under cache_dir()/costs/.
 - Calibration: how likely a guess is to be accepted, from the draft's confidence (its top
   probability) or from the length of the n-gram prompt lookup matched; fitted on training
   prompts (never Spec-Bench) along the target's own answers, and stored beside the draft's
@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ValidationError
 
-from . import native, spec
+from . import native, spec, tune
 from .errors import LabError
 from .files import write_text_atomic
 
@@ -99,7 +99,9 @@ def machine_id(threads: int) -> dict:
 
 
 def costs_path(target, draft) -> Path:
-    m = {**machine_id(target.pool.threads), "contexts": CONTEXTS}    # other contexts: another table
+    # another build of the engine, or other tuning values, runs at other speeds: another table
+    m = {**machine_id(target.pool.threads), "contexts": CONTEXTS, "engine": native.loaded_key(),
+         "tuning": tune.current()}
     key = hashlib.sha256(json.dumps(m, sort_keys=True).encode()).hexdigest()[:12]
     pair = f"{_content(target)[:16]}-{(_content(draft) or 'lookup')[:16]}"
     return native.cache_dir() / "costs" / f"{key}-{pair}.json"

@@ -223,6 +223,22 @@ def test_measured_costs_are_cached_per_machine_and_pair(files, pool, tmp_path, m
     assert P.costs_for(target, draft, progress=False) == again              # ... and refreshes the cache
 
 
+def test_costs_are_measured_again_for_another_engine_build_or_tuning(files, pool, monkeypatch):
+    from lab import native, tune
+    target = Engine(files["target"], pool=pool, max_context=256)
+    here = P.costs_path(target, None)
+    monkeypatch.setattr(native, "loaded_key", lambda: "another build")
+    assert P.costs_path(target, None) != here
+    monkeypatch.undo()
+    before = tune.current()
+    try:
+        tune.apply({**before, "prefetch_k1": before["prefetch_k1"] * 2})
+        assert P.costs_path(target, None) != here
+    finally:
+        tune.apply(before)
+    assert P.costs_path(target, None) == here
+
+
 # ----------------------------------------------------------------------------
 # The vocabulary ranking
 # ----------------------------------------------------------------------------
