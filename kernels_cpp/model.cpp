@@ -320,8 +320,8 @@ struct Model::Impl {
     std::vector<Layer> layers;
     // on 2 MB pages, as the weights: attention streams the whole cache every step
     std::unique_ptr<Buffer> kbuf, vbuf;
-    uint16_t* kcache = nullptr;
-    uint16_t* vcache = nullptr;
+    uint16_t* kcache() const { return (uint16_t*)kbuf->data(); }
+    uint16_t* vcache() const { return (uint16_t*)vbuf->data(); }
     std::vector<uint16_t> khalf;       // one K row in fp16, on its way into the blocked cache
     std::vector<float> cos_t, sin_t;
     std::vector<float> x, xn, qkv, att, gu, hb, tmp, logits_tmp;
@@ -514,8 +514,6 @@ void Model::Impl::allocate() {
         if (!(*b)->data()) throw std::bad_alloc();
         std::memset((*b)->data(), 0, cache * sizeof(uint16_t));
     }
-    kcache = (uint16_t*)kbuf->data();
-    vcache = (uint16_t*)vbuf->data();
     khalf.resize(h.head_dim);
     const int half = h.head_dim / 2;
     cos_t.resize((size_t)max_context * half);
@@ -628,7 +626,7 @@ void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int pat
             const Queries a{qkv.data() + (size_t)j0 * qkv_rows + (size_t)kvh * group * D, (size_t)qkv_rows,
                             att.data() + (size_t)j0 * q_dim + (size_t)kvh * group * D, (size_t)q_dim,
                             group, std::min(per, k - j0), pos + j0 + 1, D};
-            attend(a, kcache + base, vcache + base, scale, scores, row);
+            attend(a, kcache() + base, vcache() + base, scale, scores, row);
         }
     });
 }
@@ -685,8 +683,8 @@ int Model::Impl::chunk(const int32_t* tok, int k, int pos, float* logits, int mo
             for (uint32_t kvh = 0; kvh < h.num_kv_heads; kvh++) {
                 const size_t head = ((size_t)l * h.num_kv_heads + kvh) * cache_ctx * D;
                 f32_to_f16_row(row + q_dim + kvh * D, D, khalf.data(), path);
-                for (int i = 0; i < D; i++) kcache[head + k_at(p, i, D)] = khalf[i];
-                f32_to_f16_row(row + q_dim + kv_dim + kvh * D, D, &vcache[head + (size_t)p * D], path);
+                for (int i = 0; i < D; i++) kcache()[head + k_at(p, i, D)] = khalf[i];
+                f32_to_f16_row(row + q_dim + kv_dim + kvh * D, D, &vcache()[head + (size_t)p * D], path);
             }
         }
         lap(STAGE_SERIAL);

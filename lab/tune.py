@@ -35,7 +35,7 @@ from .protocol import interleave, matmul_samples, summary
 from .slowcore import SlowCore
 
 SINGLE_K = (2, 3, 4)     # the token counts whose prefetch scheme is chosen, per format
-SINGLE = tuple(f"{fmt}_single_k{k}" for fmt in ("q4", "q8") for k in SINGLE_K)
+SINGLE = {f"{fmt}_single_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in SINGLE_K}   # field -> what it moves
 FIELDS = ("prefetch_k1", "prefetch_l1_k", "prefetch_l2_k", *SINGLE, "guided_min_bytes", "guided_from_bytes")
 MB = 1 << 20
 # What the tuner tries besides the default (which it always tries).
@@ -286,7 +286,7 @@ def _label(cands: dict[str, dict], values: dict) -> str:
 def _stage_samplers(b: _Bench) -> dict[str, Callable[[], list[float]]]:
     """What each prefetch stage times: the kernels whose speed its values move."""
     return {"prefetch_k1": lambda: b.both(1), "prefetch_k": lambda: b.both(4),
-            **{f"{fmt}_single_k{k}": (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for fmt in ("q4", "q8") for k in SINGLE_K}}
+            **{f: (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for f, (fmt, k) in SINGLE.items()}}
 
 
 def _threshold_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
