@@ -252,6 +252,8 @@ def cmd_info(args) -> int:
 
 def cmd_tune(args) -> int:
     from . import tune
+    if args.ab:
+        return cmd_tune_ab(args)
     r = tune.tune(progress=True, mb=args.mb)
     f = tune.save(r)
     if tune.skipped():
@@ -726,6 +728,43 @@ def _add_baseline(benches) -> None:
                    help="transformers runs on the first N prompts only (default 3; 0: not at all)")
 
 
+def cmd_tune_ab(args) -> int:
+    from . import tune
+    from .engine import Engine
+    from .machine import machine
+    from .models.export import engine_file
+    from . import tune_ab
+    _check_k(args.k)
+    _check_schemes(("--scheme", args.scheme))
+    _check_context(args.model, args.context, "--context")
+    rec = tune.load()
+    if rec is None:
+        raise LabError("nothing is tuned for this CPU, kernel path and build yet: run `lab tune` first")
+    e = Engine(engine_file(args.model, args.scheme), threads=args.threads,
+               max_context=max(args.context) + max(args.k) + 64)
+    r = tune_ab.ab(e, args.context, args.k, rec["values"], rounds=args.rounds, progress=not args.json)
+    r = {"machine": machine(), "model": args.model, "format": args.scheme, "threads": e.pool.threads, "tuned_at": rec["date"], **r}
+    _emit(args, r, _print_tune_ab)
+    return 1 if r["slower"] else 0
+
+
+def _print_tune_ab(r: dict) -> None:
+    changed = ", ".join(f"{f} {a} -> {b}" for f, (a, b) in r["changed"].items()) or "none (the defaults)"
+    print(f"tuned at {r['tuned_at']} on {r['machine']['cpu']}: {changed}")
+    if not r["changed"]:
+        print("the tuned values are the defaults: both sides run the same code, so the ratios show the noise")
+    print(f"{r['model']} ({r['format']}), {r['threads']} threads, {r['rounds']} rounds, passes alternating A B B A")
+    print(f"{'context':>7s} {'k':>3s} {'default ms':>11s} {'tuned ms':>9s} {'tuned/default':>14s} {'IQR':>13s}"
+          f" {'v(k) default':>13s} {'tuned':>6s}")
+    for x in r["results"]:
+        v = f"{x['v_default']:13.3f} {x['v_tuned']:6.3f}" if "v_default" in x else ""
+        mark = "  slower" if x["slower"] else ""
+        print(f"{x['context']:7d} {x['k']:3d} {x['default_ms']:11.2f} {x['tuned_ms']:9.2f} {x['ratio']:14.3f}"
+              f" {x['q1']:6.3f}-{x['q3']:6.3f} {v}{mark}")
+    print("slower: " + (", ".join(f"context {s['context']} k {s['k']}" for s in r["slower"]) if r["slower"]
+                        else "none: the tuned values are not slower on any figure"))
+
+
 def _add_tune(sub) -> None:
     t = sub.add_parser("tune", help="measure the kernels' speed-only choices on this CPU and cache them",
                        description="Times each candidate prefetch distance, two-token scheme and split threshold "
@@ -734,6 +773,16 @@ def _add_tune(sub) -> None:
     t.add_argument("--json", action="store_true", help="print machine-readable results")
     t.add_argument("--mb", type=_COUNT, default=256, metavar="N",
                    help="each matrix's size in MB, past the last-level cache (default 256)")
+    g = t.add_argument_group("--ab: the cached tuning against the defaults on whole passes, alternating; "
+                             "exits 1 when the tuned values are slower on any figure")
+    g.add_argument("--ab", action="store_true", help="compare instead of tuning")
+    _target_flags(g)
+    g.add_argument("--context", type=_list(_COUNT), default=[256, 2048], metavar="N,...",
+                   help="contexts (default 256,2048)")
+    g.add_argument("--k", type=_list(_COUNT), default=[1, 2, 4, 8], metavar="K,...",
+                   help="tokens per pass (default 1,2,4,8; v(k) needs 1 among them)")
+    g.add_argument("--rounds", type=_COUNT, default=10, metavar="N", help="alternating rounds (default 10)")
+    g.add_argument("--threads", type=_THREADS, metavar="N", help="threads (default: every CPU this process may use)")
     t.set_defaults(fn=cmd_tune)
 
 

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from lab import cli, kernels, native, tune
+from lab import cli, kernels, native, tune, tune_ab
 
 from .conftest import simd_paths
 
@@ -219,3 +219,68 @@ def test_the_split_chosen_holds_up_with_a_slow_core(monkeypatch):
     assert state["cpu"] == 5 and state["duty"] == tune.SLOW_DUTY
     assert tune._bar_rounds("guided_from_bytes", 4) == 8          # the bar counts both timings up front
     assert tune._pick(times, default)[0] == steady
+
+
+# ----------------------------------------------------------------------------
+# lab tune --ab: the cached tuning against the defaults on whole passes
+# ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_engine(tmp_path_factory):
+    from lab.engine import Engine
+    from lab.models import TINY, tiny_weights
+    from lab.models import export as ex
+    c = TINY["tiny-qwen2"]
+    f = ex.export(c, tiny_weights(c, seed=1), tmp_path_factory.mktemp("ab") / "t.lab", "q4-q8out")
+    return Engine(f, pool=kernels.Pool(1), max_context=256)
+
+
+def test_ab_times_every_figure_under_both_values_and_puts_them_back(tiny_engine, restore):
+    tuned = {**tune.defaults(), "prefetch_k1": 4096}
+    tune.apply({**tune.defaults(), "prefetch_l2_k": 32768})      # in force before: must be so after
+    before = tune.current()
+    seen = []
+    real = tune.apply
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tune, "apply", lambda v, ns=None: (seen.append(dict(v)), real(v, ns))[1])
+        r = tune_ab.ab(tiny_engine, [32, 64], [1, 3], tuned, rounds=3, reps=1, progress=False)
+    assert tune.current() == before
+    assert r["changed"] == {"prefetch_k1": [tune.defaults()["prefetch_k1"], 4096]}
+    assert [(x["context"], x["k"]) for x in r["results"]] == [(32, 1), (32, 3), (64, 1), (64, 3)]
+    for x in r["results"]:
+        assert x["default_ms"] > 0 and x["tuned_ms"] > 0 and x["q1"] <= x["ratio"] <= x["q3"]
+        assert x["slower"] == tune_ab.slower({"median": x["ratio"], "q1": x["q1"]})
+        assert x["v_default"] > 0 and x["v_tuned"] > 0 and (x["k"] > 1 or x["v_default"] == x["v_tuned"] == 1.0)
+    # A B B A: each round's pair alternates which goes first, so neither always runs second
+    order = ["tuned" if v == tuned else "default" for v in seen[:6]]
+    assert order == ["default", "tuned", "tuned", "default", "default", "tuned"]
+    assert len(seen) == 4 * 3 * 2 + 1           # two passes a round, and the values put back
+    assert r["slower"] == [{"context": x["context"], "k": x["k"]} for x in r["results"] if x["slower"]]
+
+
+@pytest.mark.parametrize("median, q1, says", [(1.05, 1.01, True), (1.05, 0.99, False), (1.01, 1.005, False),
+                                              (0.97, 0.95, False)])
+def test_slower_means_clearly_and_consistently_slower(median, q1, says):
+    assert tune_ab.slower({"median": median, "q1": q1}) is says
+
+
+def test_ab_without_a_tuning_says_to_tune_first(cache, capsys):
+    assert cli.main(["tune", "--ab", "--model", "tiny-qwen2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "run `lab tune` first" in err[0]
+
+
+@pytest.mark.parametrize("slow", [False, True])
+def test_ab_exit_status_says_whether_any_figure_is_slower(cache, restore, capsys, monkeypatch, tmp_path, slow):
+    monkeypatch.setenv("LAB_MODELS", str(tmp_path))
+    tune.save(record())
+    def fake(e, contexts, ks, tuned, rounds, progress):
+        rows = [{"context": c, "k": k, "default_ms": 1.0, "tuned_ms": 1.0, "ratio": 1.0, "q1": 1.0, "q3": 1.0,
+                 "slower": slow and k == 2} for c in contexts for k in ks]
+        return {"changed": {}, "rounds": rounds, "reps": 3, "results": rows,
+                "slower": [{"context": x["context"], "k": x["k"]} for x in rows if x["slower"]]}
+    monkeypatch.setattr(tune_ab, "ab", fake)
+    rc = cli.main(["tune", "--ab", "--model", "tiny-qwen2", "--context", "32", "--k", "1,2", "--rounds", "1"])
+    out = capsys.readouterr().out
+    assert rc == (1 if slow else 0)
+    assert ("slower: context 32 k 2" in out) if slow else ("not slower on any figure" in out)

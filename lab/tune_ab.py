@@ -1,0 +1,65 @@
+"""The tuned kernels against their defaults on whole passes (`lab tune --ab`).
+
+`lab tune` keeps a value only if it wins on its own matrices; this checks the promise that
+matters to a user, that the tuned engine is never slower than the defaults, on the figures the
+engine is judged by: the one-token pass (decode) and the k-token passes v(k) is read from, at
+each context. Both variants run in one process, alternating pass by pass in A B B A order, so a
+change in the machine's speed falls on both alike (docs/science.md §7).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import tune
+from .protocol import fill, forward_samples, summary
+
+SLOWER = 1.02       # a figure is slower when its median paired ratio reaches this, with its
+                    # lower quartile above 1: slower in three rounds of four, not by noise
+
+
+def slower(ratio: dict) -> bool:
+    """Whether a figure's paired tuned / default ratios (a protocol.summary) say slower."""
+    return ratio["median"] >= SLOWER and ratio["q1"] > 1.0
+
+
+def _pair(engine, tokens: np.ndarray, pos: int, variants: dict[str, dict], rounds: int, reps: int, bar) -> dict:
+    """Each variant's median seconds per round for passes over tokens at pos, in A B B A order."""
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    order = list(variants)
+    for r in range(rounds):
+        for v in order if r % 2 == 0 else order[::-1]:
+            tune.apply(variants[v])
+            times[v].append(float(np.median(forward_samples(engine, tokens, pos, reps))))
+        bar.update()
+    return times
+
+
+def ab(engine, contexts, ks, tuned: dict, rounds: int = 10, reps: int = 3, progress: bool = True) -> dict:
+    """Tuned values against the defaults on engine's passes of each k at each context: per figure,
+    each variant's median ms and the median (IQR) of per-round time ratios tuned / default; v(k)
+    under each variant; and which figures the tuned values make slower. The values in force are
+    left as they were."""
+    from tqdm import tqdm
+    variants = {"default": tune.defaults(), "tuned": tuned}
+    before = tune.current()
+    rows = []
+    try:
+        with tqdm(total=len(contexts) * len(ks) * rounds, desc="lab tune --ab", unit="round",
+                  disable=not progress) as bar:
+            for ctx in contexts:
+                ids = fill(engine, ctx)
+                for k in ks:
+                    t = _pair(engine, np.resize(ids, k).astype(np.int32), ctx, variants, rounds, reps, bar)
+                    ratio = summary([a / b for a, b in zip(t["tuned"], t["default"])])
+                    rows.append({"context": ctx, "k": k, **{f"{v}_ms": float(np.median(t[v])) * 1e3 for v in t},
+                                 "ratio": ratio["median"], "q1": ratio["q1"], "q3": ratio["q3"],
+                                 "slower": slower(ratio)})
+    finally:
+        tune.apply(before)
+    one = {r["context"]: r for r in rows if r["k"] == 1}
+    for r in rows:
+        if r["context"] in one:
+            r.update({f"v_{v}": r[f"{v}_ms"] / one[r["context"]][f"{v}_ms"] for v in variants})
+    return {"changed": {f: [variants["default"][f], v] for f, v in tuned.items() if v != variants["default"][f]},
+            "rounds": rounds, "reps": reps, "results": rows,
+            "slower": [{"context": r["context"], "k": r["k"]} for r in rows if r["slower"]]}
