@@ -4,17 +4,16 @@ prompt by prompt, paired in time.
 Each prompt's turn runs plain, then every speculative setting, then plain again: a
 setting's speedup is its tokens/s over the mean of the two plain runs around it, so a
 bandwidth flip between prompts cannot fake a speedup; when the two plain runs disagree by
-more than UNSTEADY the whole bracket runs again (once) and the row says so; a bracket over
-in under SHORT seconds runs REPEATS times and each rate is its median repeat. Multi-turn
-prompts run every turn, the later ones seeing the model's own earlier answers, as
-Spec-Bench does. Every greedy speculative output must equal plain: a difference raises.
+more than UNSTEADY the whole bracket runs again (once) and the row says so; a bracket whose
+runs generate for under SHORT seconds in all (prefill not counted) runs REPEATS times and each
+rate is its median repeat. Multi-turn prompts run every turn, the later ones seeing the model's
+own earlier answers, as Spec-Bench does. Every greedy speculative output must equal plain: a difference raises.
 The cost model's prediction for each run comes from the rounds it actually made.
 """
 from __future__ import annotations
 
 import json
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -126,13 +125,17 @@ def _middle(xs: list, key):
     return sorted(xs, key=key)[(len(xs) - 1) // 2]
 
 
-def bracket(plain, runs, rate=lambda r: r.tokens_per_s):
-    """Each run between two plain runs; a bracket done in under SHORT seconds runs REPEATS
-    times, and each rate is then its median repeat, so one stall in a second-long run cannot
-    decide a row. -> ((first, last) plain runs, results, tries: brackets run)."""
-    t0 = time.perf_counter()
+def bracket(plain, runs, run_of=lambda r: r):
+    """Each run between two plain runs; a bracket whose timed generation (prompts not counted:
+    a long prompt's prefill would hide a short answer) adds up to under SHORT seconds runs
+    REPEATS times, and each rate is then its median repeat, so one stall in a second-long run
+    cannot decide a row. run_of: the Result-like part (tokens, tokens_per_s) of what the callables
+    return. -> ((first, last) plain runs, results, tries: brackets run)."""
+    rate = lambda r: run_of(r).tokens_per_s
     reps = [_steady(plain, runs, rate)]
-    if time.perf_counter() - t0 < SHORT:
+    (first, last), mine, _ = reps[0]
+    timed = sum(len(run_of(r).tokens) / rate(r) for r in (first, last, *mine))
+    if timed < SHORT:
         reps += [_steady(plain, runs, rate) for _ in range(REPEATS - 1)]
     pair = _middle([r[0] for r in reps], lambda ab: rate(ab[0]) + rate(ab[1]))
     mine = [_middle([r[1][j] for r in reps], rate) for j in range(len(runs))]

@@ -313,6 +313,27 @@ def test_a_stall_in_a_short_bracket_does_not_decide_the_row():
     assert res["rows"][0]["tries"] == 3 and res["rows"][0]["speedup"] == pytest.approx(1.5)
 
 
+def test_a_short_answer_behind_a_long_prompt_still_repeats(monkeypatch):
+    """Whether a bracket is short is read off its generation, not its wall time: a long prompt's
+    prefill (here a sleep in each plain run) must not hide a second-long answer's stall."""
+    import time
+    monkeypatch.setattr(S, "SHORT", 0.5)
+    t = FakeTarget([40.0] * 6, spec_speeds=[60.0, 20.0, 60.0])
+    slow_generate = t.generate
+    monkeypatch.setattr(t, "generate", lambda *a, **kw: (time.sleep(0.3), slow_generate(*a, **kw))[1])
+    res = S.run(t, {"draft": None}, PROMPT, [S.Setting("lookup", 2)], target_name="tiny-qwen2", progress=False)
+    assert t.calls == ["plain", "spec", "plain"] * S.REPEATS and res["rows"][0]["speedup"] == pytest.approx(1.5)
+
+
+def test_a_long_answer_runs_once_however_fast_the_calls_return():
+    """600 tokens at 40 tokens/s is 15 s of generation: one bracket, though the fakes return at once."""
+    t = FakeTarget([40.0, 40.0])
+    t.spec_tokens = list(range(600))
+    t.generate = lambda ids, n, **kw: (t.calls.append("plain"), FakeRun(list(range(600)), t.speeds.pop(0)))[1]
+    res = S.run(t, {"draft": None}, PROMPT, [S.Setting("lookup", 2)], target_name="tiny-qwen2", progress=False)
+    assert t.calls == ["plain", "spec", "plain"] and res["rows"][0]["tries"] == 1
+
+
 def test_bench_fails_loudly_when_speculation_differs(long_runs):
     t = FakeTarget([40.0, 40.0], spec_tokens=[1, 2, 4])
     with pytest.raises(S.SpeculationMismatch, match="differs from plain at token 2"):

@@ -138,7 +138,7 @@ def _bracket(s: System, p: dict, ids: list[int], meter) -> list[dict]:
     (plain's: the two plain runs' mean)."""
     plain = lambda: _measured(s.settings["plain"], ids, meter)
     spec = {k: (lambda fn=fn: _measured(fn, ids, meter)) for k, fn in s.settings.items() if k != "plain"}
-    ((first, e0), (last, e1)), mine, tries = bracket(plain, list(spec.values()), lambda m: m[0].tokens_per_s)
+    ((first, e0), (last, e1)), mine, tries = bracket(plain, list(spec.values()), lambda m: m[0])
     plain_tps = (first.tokens_per_s + last.tokens_per_s) / 2
     rows = [_row(s, p, "plain", first, plain_tps, plain_tps, _mean_energy(e0, e1), True, tries)
             | {"same_prefix": len(first.tokens)}]
