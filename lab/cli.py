@@ -275,6 +275,43 @@ def cmd_tune(args) -> int:
     return 0
 
 
+def cmd_tune_ab(args) -> int:
+    from . import tune, tune_ab
+    from .engine import Engine
+    from .machine import machine
+    from .models.export import engine_file
+    _check_k(args.k)
+    _check_schemes(("--scheme", args.scheme))
+    _check_context(args.model, args.context, "--context")
+    rec = tune.load()
+    if rec is None:
+        raise LabError("nothing is tuned for this CPU, kernel path and build yet: run `lab tune` first")
+    e = Engine(engine_file(args.model, args.scheme), threads=args.threads,
+               max_context=max(args.context) + max(args.k) + 64)
+    r = tune_ab.ab(e, args.context, args.k, rec["values"], rounds=args.rounds, progress=not args.json)
+    r = {"machine": machine(), "model": args.model, "format": args.scheme, "threads": e.pool.threads,
+         "tuned_at": rec["date"], **r}
+    _emit(args, r, _print_tune_ab)
+    return 1 if r["slower"] else 0
+
+
+def _print_tune_ab(r: dict) -> None:
+    changed = ", ".join(f"{f} {a} -> {b}" for f, (a, b) in r["changed"].items()) or "none (the defaults)"
+    print(f"tuned at {r['tuned_at']} on {r['machine']['cpu']}: {changed}")
+    if not r["changed"]:
+        print("the tuned values are the defaults: both sides run the same code, so the ratios show the noise")
+    print(f"{r['model']} ({r['format']}), {r['threads']} threads, {r['rounds']} rounds, passes alternating A B B A")
+    print(f"{'context':>7s} {'k':>3s} {'default ms':>11s} {'tuned ms':>9s} {'tuned/default':>14s} {'IQR':>13s}"
+          f" {'v(k) default':>13s} {'tuned':>6s}")
+    for x in r["results"]:
+        v = f"{x['v_default']:13.3f} {x['v_tuned']:6.3f}" if "v_default" in x else ""
+        mark = "  slower" if x["slower"] else ""
+        print(f"{x['context']:7d} {x['k']:3d} {x['default_ms']:11.2f} {x['tuned_ms']:9.2f} {x['ratio']:14.3f}"
+              f" {x['q1']:6.3f}-{x['q3']:6.3f} {v}{mark}")
+    print("slower: " + (", ".join(f"context {s['context']} k {s['k']}" for s in r["slower"]) if r["slower"]
+                        else "none: the tuned values are not slower on any figure"))
+
+
 def _print_bandwidth(r: dict) -> None:
     print(f"{'kind':6s} {'threads':>7s} {'GB/s':>8s} {'IQR':>6s}")
     for x in sorted(r["results"], key=lambda x: (x["kind"], x["threads"])):
@@ -726,43 +763,6 @@ def _add_baseline(benches) -> None:
                    help="transformers' dtypes: fp32, bf16 (default both)")
     p.add_argument("--hf-prompts", type=_number(int, Range(0)), default=3, metavar="N",
                    help="transformers runs on the first N prompts only (default 3; 0: not at all)")
-
-
-def cmd_tune_ab(args) -> int:
-    from . import tune
-    from .engine import Engine
-    from .machine import machine
-    from .models.export import engine_file
-    from . import tune_ab
-    _check_k(args.k)
-    _check_schemes(("--scheme", args.scheme))
-    _check_context(args.model, args.context, "--context")
-    rec = tune.load()
-    if rec is None:
-        raise LabError("nothing is tuned for this CPU, kernel path and build yet: run `lab tune` first")
-    e = Engine(engine_file(args.model, args.scheme), threads=args.threads,
-               max_context=max(args.context) + max(args.k) + 64)
-    r = tune_ab.ab(e, args.context, args.k, rec["values"], rounds=args.rounds, progress=not args.json)
-    r = {"machine": machine(), "model": args.model, "format": args.scheme, "threads": e.pool.threads, "tuned_at": rec["date"], **r}
-    _emit(args, r, _print_tune_ab)
-    return 1 if r["slower"] else 0
-
-
-def _print_tune_ab(r: dict) -> None:
-    changed = ", ".join(f"{f} {a} -> {b}" for f, (a, b) in r["changed"].items()) or "none (the defaults)"
-    print(f"tuned at {r['tuned_at']} on {r['machine']['cpu']}: {changed}")
-    if not r["changed"]:
-        print("the tuned values are the defaults: both sides run the same code, so the ratios show the noise")
-    print(f"{r['model']} ({r['format']}), {r['threads']} threads, {r['rounds']} rounds, passes alternating A B B A")
-    print(f"{'context':>7s} {'k':>3s} {'default ms':>11s} {'tuned ms':>9s} {'tuned/default':>14s} {'IQR':>13s}"
-          f" {'v(k) default':>13s} {'tuned':>6s}")
-    for x in r["results"]:
-        v = f"{x['v_default']:13.3f} {x['v_tuned']:6.3f}" if "v_default" in x else ""
-        mark = "  slower" if x["slower"] else ""
-        print(f"{x['context']:7d} {x['k']:3d} {x['default_ms']:11.2f} {x['tuned_ms']:9.2f} {x['ratio']:14.3f}"
-              f" {x['q1']:6.3f}-{x['q3']:6.3f} {v}{mark}")
-    print("slower: " + (", ".join(f"context {s['context']} k {s['k']}" for s in r["slower"]) if r["slower"]
-                        else "none: the tuned values are not slower on any figure"))
 
 
 def _add_tune(sub) -> None:
