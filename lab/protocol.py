@@ -32,11 +32,15 @@ def flat(rounds: list[list[float]]) -> list[float]:
     return [x for r in rounds for x in r]
 
 
+def paired_ratios(a: list[list[float]], b: list[list[float]]) -> list[float]:
+    """median(a) / median(b) within each round: on a shared machine, neighbours in time see
+    the same noise, so their ratio is steadier than the ratio of the two overall medians."""
+    return [float(np.median(x) / np.median(y)) for x, y in zip(a, b)]
+
+
 def paired_ratio(a: list[list[float]], b: list[list[float]]) -> dict:
-    """Median and IQR over rounds of median(a) / median(b) within each round: on a shared
-    machine, neighbours in time see the same noise, so their ratio is steadier than
-    the ratio of the two overall medians."""
-    return summary([np.median(x) / np.median(y) for x, y in zip(a, b)])
+    """Median and IQR over rounds of paired_ratios."""
+    return summary(paired_ratios(a, b))
 
 
 # ----------------------------------------------------------------------------

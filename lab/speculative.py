@@ -7,8 +7,9 @@ bandwidth flip between prompts cannot fake a speedup; when the two plain runs di
 more than UNSTEADY the whole bracket runs again (once) and the row says so; a bracket whose
 runs generate for under SHORT seconds in all (prefill not counted) runs REPEATS times and each
 rate is its median repeat. Multi-turn prompts run every turn, the later ones seeing the model's
-own earlier answers, as Spec-Bench does. Every greedy speculative output must equal plain: a difference raises.
-The cost model's prediction for each run comes from the rounds it actually made.
+own earlier answers, as Spec-Bench does. Every greedy speculative output must equal plain: a
+difference raises. The cost model's prediction for each run comes from the rounds it actually
+made.
 """
 from __future__ import annotations
 

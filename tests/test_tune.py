@@ -249,7 +249,7 @@ def test_ab_times_every_figure_under_both_values_and_puts_them_back(tiny_engine,
     assert [(x["context"], x["k"]) for x in r["results"]] == [(32, 1), (32, 3), (64, 1), (64, 3)]
     for x in r["results"]:
         assert x["default_ms"] > 0 and x["tuned_ms"] > 0 and x["q1"] <= x["ratio"] <= x["q3"]
-        assert x["slower"] == tune_ab.slower({"median": x["ratio"], "q1": x["q1"]})
+        assert len(x["ratios"]) == 3 and x["slower"] == tune_ab.slower(x["ratios"])
         assert x["v_default"] > 0 and x["v_tuned"] > 0 and (x["k"] > 1 or x["v_default"] == x["v_tuned"] == 1.0)
     # A B B A: each round's pair alternates which goes first, so neither always runs second
     order = ["tuned" if v == tuned else "default" for v in seen[:6]]
@@ -258,10 +258,15 @@ def test_ab_times_every_figure_under_both_values_and_puts_them_back(tiny_engine,
     assert r["slower"] == [{"context": x["context"], "k": x["k"]} for x in r["results"] if x["slower"]]
 
 
-@pytest.mark.parametrize("median, q1, says", [(1.05, 1.01, True), (1.05, 0.99, False), (1.01, 1.005, False),
-                                              (0.97, 0.95, False)])
-def test_slower_means_clearly_and_consistently_slower(median, q1, says):
-    assert tune_ab.slower({"median": median, "q1": q1}) is says
+@pytest.mark.parametrize("ratios, says", [
+    ([1.05] * 9 + [0.99], True),             # slower in 9 rounds of 10: p = 0.011
+    ([1.05] * 8 + [0.99] * 2, False),        # 8 of 10 is p = 0.055: could be chance
+    ([1.04, 1.03], False),                   # two rounds can never say it (read so on the same code)
+    ([1.01] * 10, False),                    # always slower, but by less than SLOWER
+    ([0.97] * 10, False),
+])
+def test_slower_means_clearly_and_consistently_slower(ratios, says):
+    assert tune_ab.slower(ratios) is says
 
 
 def test_ab_without_a_tuning_says_to_tune_first(cache, capsys):
@@ -276,7 +281,7 @@ def test_ab_exit_status_says_whether_any_figure_is_slower(cache, restore, capsys
     tune.save(record())
     def fake(e, contexts, ks, tuned, rounds, progress):
         rows = [{"context": c, "k": k, "default_ms": 1.0, "tuned_ms": 1.0, "ratio": 1.0, "q1": 1.0, "q3": 1.0,
-                 "slower": slow and k == 2} for c in contexts for k in ks]
+                 "ratios": [1.0], "slower": slow and k == 2} for c in contexts for k in ks]
         return {"changed": {}, "rounds": rounds, "reps": 3, "results": rows,
                 "slower": [{"context": x["context"], "k": x["k"]} for x in rows if x["slower"]]}
     monkeypatch.setattr(tune_ab, "ab", fake)
