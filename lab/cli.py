@@ -460,7 +460,8 @@ def cmd_bench_speculative(args) -> int:
         pol = policy.fitted_policy(target, draft, args.model, args.temperature, args.max_gamma, refit=args.calibrate)
     # the progress bar goes to stderr, so it shows with --json too
     res = speculative.run(target, {"draft": draft}, prompts, chosen, args.max_new_tokens, args.temperature,
-                          args.seed, {"draft": costs}, {"draft": pol}, args.model, progress=True)
+                          args.seed, {"draft": costs}, {"draft": pol}, args.model, progress=True,
+                          measure_costs=lambda: {"draft": policy.measure_costs(target, draft, progress=False)})
     res = {"machine": machine(), "commit": commit(), "target": args.model, "draft": args.draft,
            "draft_file": str(draft.file) if draft is not None else None, "policy": pol_name,
            "temperature": args.temperature, "max_new_tokens": args.max_new_tokens, "threads": pool.threads,

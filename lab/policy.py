@@ -82,6 +82,9 @@ class Costs(BaseModel):
     c: list[float]                   # per context: a draft step over a target step (0: no draft)
     o: float                         # a round's overhead over a target step, greedy
     o_sampled: float
+    # per context: the target's one-token pass, ms, when these were measured -- which bandwidth
+    # state they belong to (speculative.CostStates); empty in tables made before it was kept
+    step_ms: list[float] = []
 
     def at(self, context: int) -> tuple[dict[int, float], float]:
         """v (k -> v(k)) and c at `context`, linear between the measured contexts (constant
@@ -91,6 +94,10 @@ class Costs(BaseModel):
         v = np.asarray(self.v, float)
         vk = [float(np.interp(context, xs, v[:, k])) for k in range(1, v.shape[1])]
         return dict(enumerate(vk, 1)), float(np.interp(context, xs, self.c))
+
+    def step_at(self, context: int) -> float | None:
+        """The target's one-token pass at `context` when these were measured, ms (None: not kept)."""
+        return float(np.interp(context, self.contexts, self.step_ms)) if self.step_ms else None
 
 
 def machine_id(threads: int) -> dict:
@@ -108,14 +115,15 @@ def costs_path(target, draft) -> Path:
 
 
 def costs_at(target, drafts: dict, context: int, kmax: int = 9, rounds: int = 3,
-             reps: int = 2) -> tuple[list[float], dict]:
-    """v(0..kmax) and each draft's c (name -> c) at one context, as `lab bench vk` measures
-    them (lab.costs). v is made non-decreasing in k: k + 1 tokens never cost less than k, so a
-    dip is noise."""
+             reps: int = 2) -> tuple[list[float], dict, float]:
+    """v(0..kmax), each draft's c (name -> c) and the one-token pass in ms at one context, as
+    `lab bench vk` measures them (lab.costs). v is made non-decreasing in k: k + 1 tokens never
+    cost less than k, so a dip is noise."""
     from .costs import records_at
     rec = records_at(target, drafts, context, range(1, kmax + 1), rounds, reps)
     v = isotonic(np.array([r["v"] for r in rec if r["kind"] == "v"]), np.ones(kmax))
-    return [0.0] + [float(x) for x in v], {r["format"]: r["c"] for r in rec if r["kind"] == "c"}
+    step = next(r["ms"] for r in rec if r["kind"] == "v" and r["k"] == 1)
+    return [0.0] + [float(x) for x in v], {r["format"]: r["c"] for r in rec if r["kind"] == "c"}, step
 
 
 def measure_costs(target, draft=None, contexts=CONTEXTS, kmax: int = 9, rounds: int = 7, reps: int = 2,
@@ -128,14 +136,15 @@ def measure_costs(target, draft=None, contexts=CONTEXTS, kmax: int = 9, rounds: 
     kmax = min(kmax, max_k + 1)
     top = min(target.max_context, draft.max_context if draft else target.max_context) - (kmax + 1)
     ctxs = [c for c in contexts if c <= top][:ncx] or [max(1, top)]
-    vs, cs = [], []
+    vs, cs, steps = [], [], []
     for ctx in tqdm(ctxs, desc="this machine's costs", unit="context", disable=not progress, file=sys.stderr):
-        v, c = costs_at(target, {"draft": draft} if draft else {}, ctx, kmax, rounds, reps)
+        v, c, step = costs_at(target, {"draft": draft} if draft else {}, ctx, kmax, rounds, reps)
         vs.append(v)
         cs.append(c.get("draft", 0.0))
+        steps.append(step)
     o = overhead(target, draft, tokens=32)
     return Costs(machine=machine_id(target.pool.threads), target=_content(target), draft=_content(draft),
-                 contexts=ctxs, v=vs, c=cs, o=o["o_greedy"], o_sampled=o["o_sampled"])
+                 contexts=ctxs, v=vs, c=cs, o=o["o_greedy"], o_sampled=o["o_sampled"], step_ms=steps)
 
 
 def load_costs(path: Path, target, draft) -> Costs:
@@ -153,7 +162,9 @@ def costs_for(target, draft=None, progress: bool = True, fresh: bool = False) ->
     when `fresh`, so a prediction pairs with a run in the same bandwidth state)."""
     path = costs_path(target, draft)
     if path.exists() and not fresh:
-        return load_costs(path, target, draft)
+        c = load_costs(path, target, draft)
+        if c.step_ms:                   # an older table does not say which bandwidth state it is
+            return c
     c = measure_costs(target, draft, progress=progress)
     _save(path, c)
     return c

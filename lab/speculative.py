@@ -9,7 +9,7 @@ runs generate for under SHORT seconds in all (prefill not counted) runs REPEATS 
 rate is its median repeat. Multi-turn prompts run every turn, the later ones seeing the model's
 own earlier answers, as Spec-Bench does. Every greedy speculative output must equal plain: a
 difference raises. The cost model's prediction for each run comes from the rounds it actually
-made.
+made, priced by costs measured in the bandwidth state its bracket ran in (CostStates).
 """
 from __future__ import annotations
 
@@ -26,6 +26,10 @@ from .errors import LabError
 
 UNSTEADY = 0.15
 SHORT, REPEATS = 10.0, 3
+# plain decoding this much faster or slower than a cost table's target step: another bandwidth
+# state, whose v(k) and c differ (the states of docs/science.md §7 are 30-50% apart)
+STATE_GAP = 0.12
+MAX_TABLES = 4         # what a run measures at most, should plain runs never match a table
 
 
 class SpeculationMismatch(LabError):
@@ -73,6 +77,36 @@ def predicted(result, costs) -> float:
         else:
             lag += acc + 1
     return len(result.tokens) / spent
+
+
+class CostStates:
+    """Cost tables (name -> Costs) for the bandwidth states a run meets. A bracket's predictions
+    take the table whose target step, at the turn's context, is nearest its plain runs'; when
+    none is within STATE_GAP and `measure` (() -> name -> Costs) is given, a table is measured
+    there and then (MAX_TABLES in all). Tables made on the fast bus mispredict slow brackets
+    by ~13% (docs/tuning.md)."""
+
+    def __init__(self, costs: dict, measure=None):
+        self.tables = [costs] if costs else []
+        self.measure = measure
+
+    def _step(self, i: int, context: int) -> float | None:
+        """Table i's plain decoding, ms a token: its target step and a round's overhead."""
+        return next((s * (1 + c.o) for c in self.tables[i].values() if (s := c.step_at(context))), None)
+
+    def pick(self, plain_ms: float, context: int) -> int:
+        """The index of the table for a bracket whose plain runs took plain_ms a token."""
+        if not self.tables:
+            return -1
+        gap = lambda i: abs(plain_ms / s - 1) if (s := self._step(i, context)) else 0.0
+        best = min(range(len(self.tables)), key=gap)
+        if gap(best) > STATE_GAP and self.measure is not None and len(self.tables) < MAX_TABLES:
+            self.tables.append(self.measure())
+            best = min(range(len(self.tables)), key=gap)   # the bus may have flipped back meanwhile
+        return best
+
+    def costs(self, i: int, name: str):
+        return (self.tables[i].get(name) or next(iter(self.tables[i].values()))) if i >= 0 else None
 
 
 def _pass(v: dict, n: int) -> float:
@@ -145,14 +179,16 @@ def bracket(plain, runs, run_of=lambda r: r):
 
 def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], max_new_tokens: int = 128,
         temperature: float = 0.0, seed: int = 0, costs: dict | None = None, policies: dict | None = None,
-        target_name: str = "", progress: bool = True) -> dict:
+        target_name: str = "", progress: bool = True, measure_costs=None) -> dict:
     """drafts: name -> Engine or None (lookup alone); costs and policies: the same names ->
     this machine's Costs (for the predictions; lookup settings take any, c unused) and
-    automatic Policy (for "auto" settings).
-    -> {"rows": per prompt turn and setting, "summary": per group and overall}"""
+    automatic Policy (for "auto" settings). measure_costs: () -> such a dict, measured now, for
+    a bracket in a bandwidth state no table was measured in (CostStates).
+    -> {"rows": per prompt turn and setting, "summary": per group and overall,
+        "cost_tables": every table the predictions used, by the rows' "costs_table"}"""
     from tqdm.auto import tqdm
     conv = Conversation(target_name)
-    costs, policies = costs or {}, policies or {}
+    states, policies = CostStates(costs or {}, measure_costs), policies or {}
     rows = []
     turns_total = sum(len(p["turns"]) for p in prompts)
     bar = tqdm(total=turns_total, desc="speculative bench", unit="turn", disable=not progress, file=sys.stderr)
@@ -171,6 +207,7 @@ def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], 
             plain = lambda: target.generate(ids, max_new_tokens, temperature=temperature, seed=seed)
             (a, b), mine, tries = bracket(plain, [spec(ids, s) for s in setting_list])
             plain_tps = (a.tokens_per_s + b.tokens_per_s) / 2
+            table = states.pick(1e3 / plain_tps, len(ids) + len(a.tokens) // 2)
             for s, r in zip(setting_list, mine):
                 equal = r.tokens == a.tokens
                 if temperature == 0 and not equal:
@@ -179,7 +216,8 @@ def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], 
                         f"at token {next(i for i, (x, y) in enumerate(zip(r.tokens + [-1], a.tokens + [-2])) if x != y)}")
                 rows.append({"id": p["id"], "group": p["group"], "turn": turn + 1, "setting": s.label,
                              "new_tokens": len(r.tokens), "speedup": r.tokens_per_s / plain_tps,
-                             "predicted": predicted(r, costs.get(s.draft) or next(iter(costs.values()), None)), "tokens_per_round": r.tokens_per_round,
+                             "predicted": predicted(r, states.costs(table, s.draft)), "costs_table": table,
+                             "tokens_per_round": r.tokens_per_round,
                              "alpha": r.acceptance, "equal_to_plain": equal, "plain_tokens_per_s": plain_tps,
                              "plain_spread": a.tokens_per_s / b.tokens_per_s - 1, "tries": tries,
                              "rounds": {k: r.kinds.count(k) for k in ("draft", "lookup", "plain")},
@@ -188,7 +226,8 @@ def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], 
             answers.append(a.tokens)
             bar.update()
     bar.close()
-    return {"rows": rows, "summary": summarize(rows)}
+    return {"rows": rows, "summary": summarize(rows),
+            "cost_tables": [{k: c.model_dump() for k, c in t.items()} for t in states.tables]}
 
 
 def summarize(rows: list[dict]) -> list[dict]:

@@ -223,6 +223,17 @@ def test_measured_costs_are_cached_per_machine_and_pair(files, pool, tmp_path, m
     assert P.costs_for(target, draft, progress=False) == again              # ... and refreshes the cache
 
 
+def test_a_cached_table_that_does_not_say_its_bandwidth_state_is_measured_again(files, pool, tmp_path, monkeypatch):
+    monkeypatch.setenv("LAB_CACHE", str(tmp_path))
+    target = Engine(files["target"], pool=pool, max_context=256)
+    c = P.costs_for(target, None, progress=False)
+    assert len(c.step_ms) == len(c.contexts) and all(s > 0 for s in c.step_ms)
+    P._save(P.costs_path(target, None), c.model_copy(update={"step_ms": []}))    # as tables were before
+    again = c.model_copy(update={"o": c.o + 1.0})
+    monkeypatch.setattr(P, "measure_costs", lambda *a, **k: again)
+    assert P.costs_for(target, None, progress=False) == again
+
+
 def test_costs_are_measured_again_for_another_engine_build_or_tuning(files, pool, monkeypatch):
     from lab import native, tune
     target = Engine(files["target"], pool=pool, max_context=256)
@@ -397,3 +408,51 @@ def test_a_long_catch_up_is_priced_past_the_measured_k():
     assert _pass(v, 5) == pytest.approx(1.4)
     assert _pass(v, 12) == pytest.approx(2.1)                     # the slope carries on past 9
     assert _pass(v, 40) == pytest.approx(2 * 2.5 + 1.7)           # chunks of MAX_K = 16: 16 + 16 + 8
+
+
+def state_table(step_ms: float, c: float = 0.2) -> dict:
+    """One draft's costs, measured while the target's step took step_ms at every context."""
+    v = [0.0] + [1 + 0.1 * (k - 1) for k in range(1, 12)]
+    return {"draft": P.Costs(machine={}, target="t", draft="d", contexts=[256], v=[v], c=[c], o=0.0,
+                             o_sampled=0.0, step_ms=[step_ms])}
+
+
+def test_each_bracket_is_priced_with_costs_from_its_bandwidth_state():
+    measured = []
+
+    def measure():
+        measured.append(15.0)
+        return state_table(15.0, c=0.3)
+    states = S.CostStates(state_table(10.0), measure)
+    assert states.pick(10.5, 256) == 0 and not measured           # within STATE_GAP of the first table
+    assert states.pick(14.0, 256) == 1 and measured == [15.0]     # another state: measured there and then
+    assert states.pick(15.5, 256) == 1 and states.pick(9.8, 256) == 0 and len(measured) == 1
+    assert states.costs(1, "draft").c == [0.3] and states.costs(0, "stock").c == [0.2]   # any name: the table's
+    flipped = S.CostStates(state_table(10.0), lambda: state_table(15.0))
+    assert flipped.pick(14.0, 256) == 1 and flipped.pick(20.0, 256) == 1   # measured, but 20 matches none
+    back = S.CostStates(state_table(10.0), lambda: state_table(30.0))       # the bus flipped back meanwhile
+    assert back.pick(13.0, 256) == 0 and len(back.tables) == 2
+
+
+def test_tables_are_not_measured_without_end():
+    """Plain runs that match no table however often it is measured stop at MAX_TABLES; a table
+    that does not say its state, or no way to measure, keeps the first."""
+    states = S.CostStates(state_table(10.0), lambda: state_table(10.0))
+    for _ in range(10):
+        states.pick(30.0, 256)
+    assert len(states.tables) == S.MAX_TABLES
+    assert S.CostStates(state_table(10.0)).pick(30.0, 256) == 0
+    old = {"draft": state_table(10.0)["draft"].model_copy(update={"step_ms": []})}
+    assert S.CostStates(old, lambda: pytest.fail("measured")).pick(30.0, 256) == 0
+    assert S.CostStates({}).pick(30.0, 256) == -1 and S.CostStates({}).costs(-1, "draft") is None
+
+
+def test_the_bench_rows_name_the_table_their_predictions_used(long_runs):
+    """Plain runs at 100 tokens/s (10 ms a token), then at 50 (20 ms): the second prompt's
+    prediction comes from a table measured in its state, and both tables are in the result."""
+    prompts = [{"id": 1, "group": "qa", "turns": ["a question"]}, {"id": 2, "group": "qa", "turns": ["another"]}]
+    t = FakeTarget([100.0, 100.0, 50.0, 50.0])
+    res = S.run(t, {"draft": None}, prompts, [S.Setting("lookup", 2)], costs=state_table(10.0),
+                target_name="tiny-qwen2", progress=False, measure_costs=lambda: state_table(20.0))
+    assert [r["costs_table"] for r in res["rows"]] == [0, 1]
+    assert [tb["draft"]["step_ms"] for tb in res["cost_tables"]] == [[10.0], [20.0]]
