@@ -1,0 +1,54 @@
+"""tools/reprice.py and tools/call_overhead.py, which the tuning diary's per-state costs and
+call costs come from: the rows are priced again from their own rounds, the error bands say
+which way each band misses, and the call timer compiles against the engine's pool and times."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from lab import policy as P, speculative as S
+from lab.kernels import Pool
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+import call_overhead  # noqa: E402
+import reprice  # noqa: E402
+
+
+def costs(c: float) -> P.Costs:
+    v = [0.0] + [1 + 0.1 * (k - 1) for k in range(1, 12)]
+    return P.Costs(machine={}, target="t", draft="d", contexts=[256], v=[v], c=[c], o=0.0, o_sampled=0.0)
+
+
+def row(plain: float, speedup: float) -> dict:
+    return {"plain_tokens_per_s": plain, "speedup": speedup, "rounds": 2, "per_round": [[2, 2], [2, 1]],
+            "kinds": ["draft", "draft"], "prompt_tokens": 10, "new_tokens": 5}
+
+
+def test_rows_are_priced_again_from_their_own_rounds():
+    r = row(40.0, 1.0)
+    cheap, dear = costs(0.1), costs(0.4)
+    run = type("Run", (), {"rounds": 2, "per_round": r["per_round"], "kinds": r["kinds"], "prompt_tokens": 10,
+                           "tokens": [0] * 5})()
+    assert reprice.repredict(r, cheap) == pytest.approx(S.predicted(run, cheap))
+    assert reprice.repredict(r, cheap) > reprice.repredict(r, dear)
+
+
+def test_bands_say_which_way_each_plain_rate_misses():
+    rows = [row(40.0, 2.0), row(42.0, 2.0), row(70.0, 1.0), row(65.0, 1.0)]
+    lines = reprice.bands(rows, [1.8, 1.8, 1.1, 1.1])
+    assert lines[0].startswith("correlation") and float(lines[0].split(": ")[1]) > 0.9
+    assert "2 turns, median error -0.100" in lines[1] and "2 turns, median error +0.100" in lines[2]
+
+
+def test_a_table_loads_from_a_cache_file_or_a_results_cost_tables(tmp_path):
+    c = costs(0.3)
+    (tmp_path / "cache.json").write_text(c.model_dump_json())
+    (tmp_path / "entry.json").write_text(json.dumps({"draft": c.model_dump()}))
+    assert reprice.load_costs(str(tmp_path / "cache.json")) == c == reprice.load_costs(str(tmp_path / "entry.json"))
+
+
+def test_the_call_timer_times_the_engines_pool():
+    pool = Pool(min(2, len(__import__("os").sched_getaffinity(0))))
+    assert 0 < call_overhead.parallel_for_us(pool, 200, 0) < 1e4
+    assert 0 < call_overhead.parallel_for_us(pool, 200, 64) < 1e4
