@@ -11,14 +11,15 @@ CPUS = sorted(os.sched_getaffinity(0))
 
 
 def spin_on(cpu: int):
-    """A probe: a fixed amount of Python work pinned to `cpu` -> its seconds."""
+    """A probe: a fixed amount of Python work pinned to `cpu` -> its seconds. It lasts tens of
+    milliseconds: a few-ms probe can finish inside one scheduler slice before the spinner runs."""
     def probe():
         before = os.sched_getaffinity(0)
         os.sched_setaffinity(0, {cpu})
         try:
             t0 = time.perf_counter()
             x = 0
-            for i in range(200_000):
+            for i in range(2_000_000):
                 x += i
             return time.perf_counter() - t0
         finally:
