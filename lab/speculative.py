@@ -9,10 +9,12 @@ runs generate for under SHORT seconds in all (prefill not counted) runs REPEATS 
 rate is its median repeat. Multi-turn prompts run every turn, the later ones seeing the model's
 own earlier answers, as Spec-Bench does. Every greedy speculative output must equal plain: a
 difference raises. The cost model's prediction for each run comes from the rounds it actually
-made, priced by costs measured in the bandwidth state its bracket ran in (CostStates).
+made, priced by costs measured in the bandwidth state its bracket ran in (CostStates), and
+the automatic policy plans each run with those same costs.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
@@ -108,6 +110,15 @@ class CostStates:
     def costs(self, i: int, name: str):
         return (self.tables[i].get(name) or next(iter(self.tables[i].values()))) if i >= 0 else None
 
+    def policy(self, pol, name: str, plain_ms: float | None, context: int):
+        """The automatic policy `pol` (for draft `name`) planning with the costs of the state
+        plain decoding last ran in: its γ and drafter choices weigh c and v(k), which differ
+        between states as much as the predictions do."""
+        if plain_ms is None or not self.tables:
+            return pol
+        table = self.tables[self.pick(plain_ms, context)]
+        return dataclasses.replace(pol, costs=table[name]) if name in table else pol
+
 
 def _pass(v: dict, n: int) -> float:
     """v(n) for a pass of n tokens, past the measured k as well: a draft catching up after
@@ -182,30 +193,36 @@ def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], 
         target_name: str = "", progress: bool = True, measure_costs=None) -> dict:
     """drafts: name -> Engine or None (lookup alone); costs and policies: the same names ->
     this machine's Costs (for the predictions; lookup settings take any, c unused) and
-    automatic Policy (for "auto" settings). measure_costs: () -> such a dict, measured now, for
-    a bracket in a bandwidth state no table was measured in (CostStates).
+    automatic Policy (for "auto" settings; it plans with the table of the state the bracket's
+    latest plain run found). measure_costs: () -> such a dict, measured now, for a bracket in a
+    bandwidth state no table was measured in (CostStates).
     -> {"rows": per prompt turn and setting, "summary": per group and overall,
         "cost_tables": every table the predictions used, by the rows' "costs_table"}"""
     from tqdm.auto import tqdm
     conv = Conversation(target_name)
     states, policies = CostStates(costs or {}, measure_costs), policies or {}
-    rows = []
+    rows, last_plain = [], {}        # last_plain: ms a token of the latest plain run
     turns_total = sum(len(p["turns"]) for p in prompts)
     bar = tqdm(total=turns_total, desc="speculative bench", unit="turn", disable=not progress, file=sys.stderr)
+
+    def plain_run(ids):
+        r = target.generate(ids, max_new_tokens, temperature=temperature, seed=seed)
+        last_plain["ms"] = 1e3 / r.tokens_per_s
+        return r
 
     def spec(ids, s: Setting):
         d = "lookup" if s.drafter == "lookup" else drafts.get(s.draft)
         kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
         if s.drafter == "auto":
-            return lambda: target.speculate(ids, d, policy=policies[s.draft], **kw)
+            return lambda: target.speculate(ids, d, policy=states.policy(
+                policies[s.draft], s.draft, last_plain.get("ms"), len(ids) + max_new_tokens // 2), **kw)
         return lambda: target.speculate(ids, d, gamma=s.gamma, **kw)
 
     for p in prompts:
         answers: list[list[int]] = []
         for turn in range(len(p["turns"])):
             ids = conv.ids(p["turns"][:turn + 1], answers)
-            plain = lambda: target.generate(ids, max_new_tokens, temperature=temperature, seed=seed)
-            (a, b), mine, tries = bracket(plain, [spec(ids, s) for s in setting_list])
+            (a, b), mine, tries = bracket(lambda: plain_run(ids), [spec(ids, s) for s in setting_list])
             plain_tps = (a.tokens_per_s + b.tokens_per_s) / 2
             table = states.pick(1e3 / plain_tps, len(ids) + len(a.tokens) // 2)
             for s, r in zip(setting_list, mine):

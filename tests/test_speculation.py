@@ -456,3 +456,16 @@ def test_the_bench_rows_name_the_table_their_predictions_used(long_runs):
                 target_name="tiny-qwen2", progress=False, measure_costs=lambda: state_table(20.0))
     assert [r["costs_table"] for r in res["rows"]] == [0, 1]
     assert [tb["draft"]["step_ms"] for tb in res["cost_tables"]] == [[10.0], [20.0]]
+
+
+def test_the_automatic_policy_plans_with_the_costs_of_its_brackets_state(long_runs):
+    """The second prompt's plain runs are twice as slow: its automatic run plans with the table
+    measured in that state, the first prompt's with the cached one."""
+    prompts = [{"id": 1, "group": "qa", "turns": ["a question"]}, {"id": 2, "group": "qa", "turns": ["another"]}]
+    t = FakeTarget([100.0, 100.0, 50.0, 50.0])
+    planned = []
+    t.speculate = lambda ids, d, policy, **kw: planned.append(policy.costs.c) or FakeRun([1, 2, 3], 60.0)
+    pol = P.Policy(state_table(10.0)["draft"], table=None)      # the fake target never reads it
+    S.run(t, {"draft": None}, prompts, [S.Setting("auto")], costs=state_table(10.0), policies={"draft": pol},
+          target_name="tiny-qwen2", progress=False, measure_costs=lambda: state_table(20.0, c=0.3))
+    assert planned == [[0.2], [0.3]]
