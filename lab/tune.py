@@ -31,7 +31,7 @@ import numpy as np
 
 from . import kernels, native
 from .files import write_text_atomic
-from .protocol import interleave, matmul_samples, summary
+from .protocol import interleave, matmul_samples, read_buffer, read_sampler, summary
 from .slowcore import SlowCore
 
 SINGLE_K = (2, 3, 4)     # the token counts whose prefetch scheme is chosen, per format
@@ -51,7 +51,7 @@ CACHE_FORMAT = 1
 COLS = 2048             # the tuner's matrices: about a Qwen hidden size, so tiles are model-sized
 SLOW_DUTY = 0.5         # the split is judged with one core this busy with other work as well
 
-_state: dict = {"source": "default", "file": None, "tried": False}
+_state: dict = {"source": "default", "file": None, "tried": False, "read_gbps": None}
 _noted: set[str] = set()
 
 
@@ -160,7 +160,7 @@ def save(rec: dict) -> Path:
 def use(rec: dict, ns=None) -> None:
     """Puts a tuning (a tune() result or a loaded cache) in force and records where it came from."""
     apply(rec["values"], ns)
-    _state.update(source=f"tuned at {rec['date']}", file=str(cache_file(rec)))
+    _state.update(source=f"tuned at {rec['date']}", file=str(cache_file(rec)), read_gbps=rec.get("read_gbps"))
 
 
 def skipped() -> bool:
@@ -170,7 +170,7 @@ def skipped() -> bool:
 def on_load(ns) -> None:
     """native.lib() calls this once: the cached tuning goes in force; nothing is measured."""
     if skipped():
-        _state.update(source="LAB_TUNE=0", file=None)
+        _state.update(source="LAB_TUNE=0", file=None, read_gbps=None)
         return
     rec = load(ns)
     if rec:
@@ -198,13 +198,17 @@ def ensure(progress: bool = True) -> None:
 
 def describe() -> dict:
     """The values in force, the defaults, and where the values came from."""
-    return {"source": _state["source"], "file": _state["file"], "values": current(), "defaults": defaults()}
+    return {"source": _state["source"], "file": _state["file"], "read_gbps": _state["read_gbps"],
+            "values": current(), "defaults": defaults()}
 
 
 def lines(d: dict | None = None) -> list[str]:
     """describe() for people: one line per field, the default beside a tuned value."""
     d = d or describe()
     out = [f"tuning        {d['source']}" + (f" ({d['file']})" if d["file"] else "")]
+    if d.get("read_gbps"):      # the bandwidth state the choices were made in (the bus flips)
+        out.append(f"  read ceiling          {d['read_gbps']['before']:.1f} GB/s before, "
+                   f"{d['read_gbps']['after']:.1f} after")
     for f in FIELDS:
         v, dv = d["values"][f], d["defaults"][f]
         out.append(f"  {f:22s}{v}" + ("" if v == dv else f" (default {dv})"))
@@ -221,6 +225,7 @@ class _Bench:
 
     def __init__(self, mb: int, reps: int, threads: int | None):
         ns = native.lib()
+        self._buf, self._owner = read_buffer(mb * MB)
         self.path = int(ns.active_path())
         self.path_name = str(ns.path_name(self.path))
         self.pool = kernels.Pool(threads)
@@ -239,6 +244,10 @@ class _Bench:
     def matmul(self, fmt: str, k: int) -> list[float]:
         """Seconds per pass over the whole matrix, split the engine's way."""
         return matmul_samples(self.W[fmt], self.acts[k], self.pool, self.path, self.guided, self.reps)
+
+    def read_gbps(self) -> float:
+        """The read ceiling now, over a buffer as large as a matrix: which bandwidth state this is."""
+        return float(np.median(read_sampler(self._buf, self.pool)()))
 
     def both(self, k: int) -> list[float]:
         return [a + b for a, b in zip(self.matmul("q4", k), self.matmul("q8", k))]
@@ -356,6 +365,7 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
     prefetching, split = b.path_name == "avx512vnni", b.pool.threads > 1   # what this path and pool can move
     run = [s for s in stages if (split if s.startswith("guided") else prefetching)]
     measured, chosen, confirmed = {}, {}, {}
+    read_before = b.read_gbps()
     try:
         with tqdm(total=sum(_bar_rounds(s, rounds) for s in run), desc="lab tune", unit="round",
                   disable=not progress, file=sys.stderr) as bar:
@@ -374,4 +384,5 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
     return {"format": CACHE_FORMAT, **key(), "date": datetime.datetime.now().isoformat(timespec="minutes"),
             "seconds": round(time.perf_counter() - start, 1), "values": base, "defaults": defaults(),
             "chosen": chosen, "measured": measured, "confirmed": confirmed, "mb": mb, "rounds": rounds,
-            "threads": b.pool.threads, "slow_core": {"cpu": b.pool.cpus[-1], "duty": SLOW_DUTY} if split else None}
+            "threads": b.pool.threads, "read_gbps": {"before": read_before, "after": b.read_gbps()},
+            "slow_core": {"cpu": b.pool.cpus[-1], "duty": SLOW_DUTY} if split else None}

@@ -76,7 +76,7 @@ def record(**over):
 
 
 def test_cache_round_trip(cache, restore):
-    rec = record()
+    rec = record(read_gbps={"before": 78.4, "after": 44.1})
     f = tune.save(rec)
     assert f.parent == cache / "native" and json.loads(f.read_text()) == rec
     assert tune.load() == rec
@@ -85,6 +85,7 @@ def test_cache_round_trip(cache, restore):
     d = tune.describe()
     assert d["source"] == "tuned at 2026-12-01T07:00" and d["file"] == str(f)
     assert any("prefetch_k1" in ln and "(default" in ln for ln in tune.lines(d))
+    assert any("78.4 GB/s before, 44.1 after" in ln for ln in tune.lines(d))    # the state it was tuned in
 
 
 @pytest.mark.parametrize("field, value, says", [("cpu", "Another CPU(R)", "another CPU"),
@@ -152,6 +153,7 @@ def test_tune_on_a_small_working_set_picks_from_the_candidates(restore, capsys):
         assert label in stages[stage] and set(r["measured"][stage]) == set(stages[stage])
         assert all(r["values"][f] == v for f, v in stages[stage][label].items())
     assert set(r["values"]) == set(tune.FIELDS) and r["seconds"] < 60
+    assert all(1 < r["read_gbps"][w] < 10_000 for w in ("before", "after"))
     assert {k: r[k] for k in ("cpu", "path", "sources")} == tune.key()
 
 
