@@ -83,7 +83,8 @@ def predicted(result, costs) -> float:
 
 class CostStates:
     """Cost tables (name -> Costs) for the bandwidth states a run meets. A bracket's predictions
-    take the table whose target step, at the turn's context, is nearest its plain runs'; when
+    take the table whose target step, at the turn's context and for the run's draft, is nearest
+    its plain runs'; when
     none is within STATE_GAP and `measure` (() -> name -> Costs) is given, a table is measured
     there and then (MAX_TABLES in all). Tables made on the fast bus mispredict slow brackets
     by ~13% (docs/tuning.md)."""
@@ -92,15 +93,19 @@ class CostStates:
         self.tables = [costs] if costs else []
         self.measure = measure
 
-    def _step(self, i: int, context: int) -> float | None:
-        """Table i's plain decoding, ms a token: its target step and a round's overhead."""
-        return next((s * (1 + c.o) for c in self.tables[i].values() if (s := c.step_at(context))), None)
+    def _step(self, i: int, context: int, name: str | None) -> float | None:
+        """Plain decoding, ms a token, when table i's costs for draft `name` (any, when it has
+        none) were measured: the target step and a round's overhead. Each draft's costs take
+        minutes, and the bus can flip between two drafts' of one table."""
+        t = self.tables[i]
+        mine = [t[name]] if name in t else list(t.values())
+        return next((s * (1 + c.o) for c in mine if (s := c.step_at(context))), None)
 
-    def pick(self, plain_ms: float, context: int) -> int:
+    def pick(self, plain_ms: float, context: int, name: str | None = None) -> int:
         """The index of the table for a bracket whose plain runs took plain_ms a token."""
         if not self.tables:
             return -1
-        gap = lambda i: abs(plain_ms / s - 1) if (s := self._step(i, context)) else 0.0
+        gap = lambda i: abs(plain_ms / s - 1) if (s := self._step(i, context, name)) else 0.0
         best = min(range(len(self.tables)), key=gap)
         if gap(best) > STATE_GAP and self.measure is not None and len(self.tables) < MAX_TABLES:
             self.tables.append(self.measure())
@@ -116,7 +121,7 @@ class CostStates:
         between states as much as the predictions do."""
         if plain_ms is None or not self.tables:
             return pol
-        table = self.tables[self.pick(plain_ms, context)]
+        table = self.tables[self.pick(plain_ms, context, name)]
         return dataclasses.replace(pol, costs=table[name]) if name in table else pol
 
 
@@ -224,8 +229,8 @@ def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], 
             ids = conv.ids(p["turns"][:turn + 1], answers)
             (a, b), mine, tries = bracket(lambda: plain_run(ids), [spec(ids, s) for s in setting_list])
             plain_tps = (a.tokens_per_s + b.tokens_per_s) / 2
-            table = states.pick(1e3 / plain_tps, len(ids) + len(a.tokens) // 2)
             for s, r in zip(setting_list, mine):
+                table = states.pick(1e3 / plain_tps, len(ids) + len(a.tokens) // 2, s.draft)
                 equal = r.tokens == a.tokens
                 if temperature == 0 and not equal:
                     raise SpeculationMismatch(

@@ -469,3 +469,14 @@ def test_the_automatic_policy_plans_with_the_costs_of_its_brackets_state(long_ru
     S.run(t, {"draft": None}, prompts, [S.Setting("auto")], costs=state_table(10.0), policies={"draft": pol},
           target_name="tiny-qwen2", progress=False, measure_costs=lambda: state_table(20.0, c=0.3))
     assert planned == [[0.2], [0.3]]
+
+
+def test_each_draft_is_priced_with_its_own_costs_state():
+    """A table's two drafts were measured minutes apart, across a flip: a bracket takes the
+    table whose costs for its own draft match its plain runs."""
+    def two(a_ms, b_ms):
+        return {"a": state_table(a_ms, c=0.2)["draft"], "b": state_table(b_ms, c=0.3)["draft"]}
+    states = S.CostStates(two(10.0, 20.0), lambda: two(20.0, 10.0))
+    assert states.pick(20.0, 256, "a") == 1 and len(states.tables) == 2     # a's first costs: another state
+    assert states.pick(20.0, 256, "b") == 0 and states.pick(10.0, 256, "b") == 1
+    assert states.pick(10.0, 256, "lookup") == 0                           # no costs of its own: the first's
