@@ -31,6 +31,9 @@ TEMPERATURES = (0.0, 0.7, 1.0)     # the calibration's tables; a request takes t
 # The contexts costs are measured at (at most the engine's COST_CONTEXTS); 1024 because long
 # prompts (summarization, RAG) verify between 1,000 and 1,500 tokens.
 CONTEXTS = (128, 512, 1024, 2048)
+# Plain decoding this much faster or slower than a cost table's target step: another bandwidth
+# state, whose v(k) and c differ (the states of docs/science.md §7 are 30-50% apart).
+STATE_GAP = 0.12
 
 
 class PolicyFileError(LabError):
@@ -126,22 +129,32 @@ def costs_at(target, drafts: dict, context: int, kmax: int = 9, rounds: int = 3,
     return [0.0] + [float(x) for x in v], {r["format"]: r["c"] for r in rec if r["kind"] == "c"}, step
 
 
+def step_ms(target, context: int) -> float:
+    """The target's one-token pass at `context` now, ms."""
+    from .costs import records_at
+    return records_at(target, {}, context, [1], rounds=3, reps=2)[0]["ms"]
+
+
 def measure_costs(target, draft=None, contexts=CONTEXTS, kmax: int = 9, rounds: int = 7, reps: int = 2,
                   progress: bool = True) -> Costs:
     """v(k) for k = 1..kmax (a round of kmax - 1 guesses at most) and c at each context that
-    fits both caches, and o."""
+    fits both caches, and o; measured once more when the target's step at the first context
+    has moved by STATE_GAP by the end (a table from two bandwidth states fits neither)."""
     from tqdm.auto import tqdm
     from .costs import overhead
     _, _, ncx, vk, max_k = _consts()
     kmax = min(kmax, max_k + 1)
     top = min(target.max_context, draft.max_context if draft else target.max_context) - (kmax + 1)
     ctxs = [c for c in contexts if c <= top][:ncx] or [max(1, top)]
-    vs, cs, steps = [], [], []
-    for ctx in tqdm(ctxs, desc="this machine's costs", unit="context", disable=not progress, file=sys.stderr):
-        v, c, step = costs_at(target, {"draft": draft} if draft else {}, ctx, kmax, rounds, reps)
-        vs.append(v)
-        cs.append(c.get("draft", 0.0))
-        steps.append(step)
+    for desc in ("this machine's costs", "the costs again (the bus flipped meanwhile)"):
+        vs, cs, steps = [], [], []
+        for ctx in tqdm(ctxs, desc=desc, unit="context", disable=not progress, file=sys.stderr):
+            v, c, step = costs_at(target, {"draft": draft} if draft else {}, ctx, kmax, rounds, reps)
+            vs.append(v)
+            cs.append(c.get("draft", 0.0))
+            steps.append(step)
+        if abs(step_ms(target, ctxs[0]) / steps[0] - 1) <= STATE_GAP:    # one state from start to end
+            break
     o = overhead(target, draft, tokens=32)
     return Costs(machine=machine_id(target.pool.threads), target=_content(target), draft=_content(draft),
                  contexts=ctxs, v=vs, c=cs, o=o["o_greedy"], o_sampled=o["o_sampled"], step_ms=steps)

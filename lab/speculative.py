@@ -23,14 +23,12 @@ from pathlib import Path
 import numpy as np
 
 from . import native, specbench
+from .policy import STATE_GAP
 from .spec import geomean
 from .errors import LabError
 
 UNSTEADY = 0.15
 SHORT, REPEATS = 10.0, 3
-# plain decoding this much faster or slower than a cost table's target step: another bandwidth
-# state, whose v(k) and c differ (the states of docs/science.md §7 are 30-50% apart)
-STATE_GAP = 0.12
 MAX_TABLES = 4         # what a run measures at most, should plain runs never match a table
 
 

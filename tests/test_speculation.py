@@ -234,6 +234,22 @@ def test_a_cached_table_that_does_not_say_its_bandwidth_state_is_measured_again(
     assert P.costs_for(target, None, progress=False) == again
 
 
+@pytest.mark.parametrize("ends_at, tables", [(10.5, 1), (15.0, 2)])
+def test_a_table_measured_across_a_flip_is_measured_again(files, pool, monkeypatch, ends_at, tables):
+    """The target's step at the first context, taken again when the table is done, says whether
+    the bus stayed in one state; when it moved by more than STATE_GAP the table is measured again."""
+    target = Engine(files["target"], pool=pool, max_context=256)
+    measured = []
+
+    def costs_at(t, drafts, ctx, *a):
+        measured.append(ctx)
+        return [0.0] + [1.0] * 9, {}, 10.0
+    monkeypatch.setattr(P, "costs_at", costs_at)
+    monkeypatch.setattr(P, "step_ms", lambda t, ctx: ends_at)
+    c = P.measure_costs(target, None, contexts=(32, 64), progress=False)
+    assert measured == [32, 64] * tables and c.step_ms == [10.0, 10.0]
+
+
 def test_costs_are_measured_again_for_another_engine_build_or_tuning(files, pool, monkeypatch):
     from lab import native, tune
     target = Engine(files["target"], pool=pool, max_context=256)
