@@ -6,6 +6,7 @@ import _thread
 import json
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -145,8 +146,17 @@ def test_a_worker_with_other_native_sources_is_refused(loopback, collection):
         cluster.run(["work"], "p", out_dir=str(out), scheduler=address)
 
 
+@pytest.fixture
+def ctrl_c():
+    """Python's Ctrl-C handler for the test: a run started in the background (`cmd &`) inherits
+    SIGINT ignored, and a simulated Ctrl-C (_thread.interrupt_main) then does nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.slow
-def test_ctrl_c_cancels_and_stops_the_running_notebooks(loopback, collection):
+def test_ctrl_c_cancels_and_stops_the_running_notebooks(loopback, collection, ctrl_c):
     client, names, address = loopback
     done = threading.Event()
 
