@@ -82,9 +82,8 @@ def predicted(result, costs) -> float:
 class CostStates:
     """Cost tables (name -> Costs) for the bandwidth states a run meets. A bracket's predictions
     take the table whose target step, at the turn's context and for the run's draft, is nearest
-    its plain runs'; when
-    none is within STATE_GAP and `measure` (() -> name -> Costs) is given, a table is measured
-    there and then (MAX_TABLES in all). Tables made on the fast bus mispredict slow brackets
+    its plain runs'; when none is within STATE_GAP and `measure` (() -> name -> Costs) is given,
+    a table is measured there and then (MAX_TABLES in all). Tables made on the fast bus mispredict slow brackets
     by ~13% (docs/tuning.md)."""
 
     def __init__(self, costs: dict, measure=None):
@@ -92,12 +91,11 @@ class CostStates:
         self.measure = measure
 
     def _step(self, i: int, context: int, name: str | None) -> float | None:
-        """Plain decoding, ms a token, when table i's costs for draft `name` (any, when it has
-        none) were measured: the target step and a round's overhead. Each draft's costs take
+        """Plain decoding, ms a token, when table i's costs for draft `name` (its first, when it
+        has none) were measured: the target step and a round's overhead. Each draft's costs take
         minutes, and the bus can flip between two drafts' of one table."""
-        t = self.tables[i]
-        mine = [t[name]] if name in t else list(t.values())
-        return next((s * (1 + c.o) for c in mine if (s := c.step_at(context))), None)
+        c = self.costs(i, name)
+        return s * (1 + c.o) if (s := c.step_at(context)) else None
 
     def pick(self, plain_ms: float, context: int, name: str | None = None) -> int:
         """The index of the table for a bracket whose plain runs took plain_ms a token."""
@@ -119,8 +117,8 @@ class CostStates:
         between states as much as the predictions do."""
         if plain_ms is None or not self.tables:
             return pol
-        table = self.tables[self.pick(plain_ms, context, name)]
-        return dataclasses.replace(pol, costs=table[name]) if name in table else pol
+        i = self.pick(plain_ms, context, name)
+        return dataclasses.replace(pol, costs=self.costs(i, name)) if name in self.tables[i] else pol
 
 
 def _pass(v: dict, n: int) -> float:

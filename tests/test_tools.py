@@ -41,6 +41,13 @@ def test_bands_say_which_way_each_plain_rate_misses():
     assert "2 turns, median error -0.100" in lines[1] and "2 turns, median error +0.100" in lines[2]
 
 
+def test_bands_by_prompt_length():
+    rows = [row(40.0, 2.0), row(42.0, 2.0), row(70.0, 1.0)]
+    rows[2]["prompt_tokens"] = 800
+    lines = reprice.bands(rows, [1.8, 1.8, 1.1], "prompt_tokens", reprice.PROMPT_BANDS, "prompt tokens")
+    assert "2 turns, median error -0.100" in lines[1] and "1 turns, median error +0.100" in lines[2]
+
+
 def test_a_table_loads_from_a_cache_file_or_a_results_cost_tables(tmp_path):
     c = costs(0.3)
     (tmp_path / "cache.json").write_text(c.model_dump_json())

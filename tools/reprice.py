@@ -23,6 +23,7 @@ from lab.policy import Costs  # noqa: E402
 from lab.speculative import predicted  # noqa: E402
 
 BANDS = (0, 45, 52, 60, float("inf"))     # plain tokens/s
+PROMPT_BANDS = (0, 600, float("inf"))      # prompt tokens: long prompts (summarization, RAG) apart
 
 
 def load_costs(path: str) -> Costs:
@@ -36,14 +37,16 @@ def repredict(row: dict, costs: Costs) -> float:
     return predicted(run, costs)
 
 
-def bands(rows: list[dict], preds: list[float]) -> list[str]:
-    plain = np.array([r["plain_tokens_per_s"] for r in rows])
+def bands(rows: list[dict], preds: list[float], key: str = "plain_tokens_per_s", edges=BANDS,
+          what: str = "plain tokens/s") -> list[str]:
+    """The prediction errors' correlation with rows[key], and their median in each band of it."""
+    x = np.array([r[key] for r in rows])
     err = np.array([p / r["speedup"] - 1 for p, r in zip(preds, rows)])
-    out = [f"correlation of plain tokens/s and prediction error: {np.corrcoef(plain, err)[0, 1]:.2f}"]
-    for lo, hi in zip(BANDS, BANDS[1:]):
-        m = (plain >= lo) & (plain < hi)
+    out = [f"correlation of {what} and prediction error: {np.corrcoef(x, err)[0, 1]:.2f}"]
+    for lo, hi in zip(edges, edges[1:]):
+        m = (x >= lo) & (x < hi)
         if m.any():
-            out.append(f"  plain {lo:>3}-{hi:<4} tokens/s: {m.sum():3d} turns, median error {np.median(err[m]):+.3f}")
+            out.append(f"  {what} {lo:>3}-{hi:<4}: {m.sum():3d} turns, median error {np.median(err[m]):+.3f}")
     return out
 
 
@@ -55,6 +58,7 @@ def main() -> None:
     rows = json.loads(Path(a.result).read_text())["rows"]
     print(f"{a.result}: the rows' own predictions")
     print("\n".join(bands(rows, [r["predicted"] for r in rows])))
+    print("\n".join(bands(rows, [r["predicted"] for r in rows], "prompt_tokens", PROMPT_BANDS, "prompt tokens")))
     for path in a.costs:
         c = load_costs(path)
         print(f"{path} (c at 512: {c.at(512)[1]:.3f}, v(4) at 2048: {c.at(2048)[0][4]:.3f})")
