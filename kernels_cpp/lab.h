@@ -74,6 +74,9 @@ int online_cpus();
 // instead: each hand-out is an atomic on a line the other cores share, which on so short a
 // stream costs more than the balancing buys. The measurements: docs/tuning.md.
 constexpr int SPLIT_GUIDED = -1;
+// A windowed attention's recent positions start on a multiple of this, whole tiles of its
+// scores and values, so a task's tiles never span the positions it skips.
+constexpr int ATT_WINDOW_BLOCK = 32;
 
 // ----------------------------------------------------------------------------
 // Tuning: the choices made for speed only, measured per machine by `lab tune` (lab/tune.py).
@@ -338,6 +341,11 @@ public:
     // How matmuls split their tiles over the pool: 0 static halves, n > 0 chunks of n tiles,
     // SPLIT_GUIDED (the default). Results are identical either way; only the timing moves.
     void set_chunk(int tiles);
+    // Attention of a draft that need not be exact: a row that has seen more than
+    // sink + window positions sees the first `sink` and its last `window` or up to
+    // ATT_WINDOW_BLOCK - 1 more (window 0: every position). sink is a whole number of
+    // blocks. A k-token pass still equals k single-token passes. Returns false otherwise.
+    bool set_window(int sink, int window);
     // Stage timing: profile(on) zeroes the sums; while on, every pass adds each stage's wall
     // time. stage_seconds copies the sums out, stage_bytes the weight bytes each stage reads
     // in one pass (the output layer: its logits rows for one token). Both [N_STAGES].

@@ -49,16 +49,33 @@ constexpr int k_cache_positions(int n) { return (n + K_BLOCK - 1) / K_BLOCK * K_
 // Attention against one KV head for `tokens` consecutive query tokens: token j's `group`
 // query heads (at q + j * q_stride, D floats each) see cached positions [0, n0 + j) and
 // write their outputs at out + j * out_stride. The tokens share every K and V row they read.
+//
+// A windowed model (a draft, set_window) lets a row that has seen more than sink + window
+// positions attend only to the first `sink` and to its recent ones from lo(r), a whole
+// ATT_WINDOW_BLOCK on, so its cost stops growing with the context. A task skips the
+// positions no row of it sees: its "virtual" positions are [0, sink) and then lo(0) on.
 struct Queries {
     const float* q;
     size_t q_stride;
     float* out;
     size_t out_stride;
     int group, tokens, n0, D;
+    int sink = 0, window = 0;                                        // window 0: the whole context
 
     int rows() const { return group * tokens; }
     int seen(int r) const { return n0 + r / group; }                 // positions row r sees
     int last() const { return n0 + tokens - 1; }                     // the most any row sees
+    // the first recent position row r sees, or 0 when it sees them all
+    int lo(int r) const {
+        const int l = window ? std::max(seen(r) - window, 0) / ATT_WINDOW_BLOCK * ATT_WINDOW_BLOCK : 0;
+        return l > sink ? l : 0;
+    }
+    int skip() const { return lo(0) ? lo(0) - sink : 0; }            // positions the task leaves out
+    int at(int v, int skip) const { return v < sink ? v : v + skip; }  // virtual position -> cached
+    // row r's virtual positions: [0, head(r)) and [from(r), to(r)), in a task that skips `skip`
+    int head(int r) const { return lo(r) ? sink : 0; }
+    int from(int r, int skip) const { return lo(r) ? lo(r) - skip : 0; }
+    int to(int r, int skip) const { return seen(r) - skip; }
     const float* qrow(int r) const { return q + (size_t)(r / group) * q_stride + (size_t)(r % group) * D; }
     float* orow(int r) const { return out + (size_t)(r / group) * out_stride + (size_t)(r % group) * D; }
 };
@@ -67,19 +84,21 @@ struct Queries {
 using AttendFn = void (*)(const Queries& a, const uint16_t* K, const uint16_t* V, float scale, float* scores,
                           float* row);
 
-// The reference: one token at a time, one position at a time.
+// The reference: one token at a time, one position at a time (a windowed row's positions
+// in order: the sink's, then its recent ones).
 void attend_scalar(const Queries& a, const uint16_t* K, const uint16_t* V, float scale, float* scores,
                    float* row) {
     const int D = a.D;
     for (int r = 0; r < a.rows(); r++) {
-        const int n = a.seen(r);
+        const int skip = a.lo(r) ? a.lo(r) - a.sink : 0, n = a.seen(r) - skip;
         const float* q = a.qrow(r);
         float* s = scores;
-        for (int t = 0; t < n; t++) {
+        for (int v = 0; v < n; v++) {
+            const int t = a.at(v, skip);
             for (int i = 0; i < D; i++) row[i] = fp16_to_fp32(K[k_at(t, i, D)]);
             float acc = 0.f;
             for (int i = 0; i < D; i++) acc = std::fmaf(q[i], row[i], acc);
-            s[t] = acc * scale;
+            s[v] = acc * scale;
         }
         float mx = s[0], sum = 0.f;
         for (int t = 1; t < n; t++) mx = s[t] > mx ? s[t] : mx;
@@ -88,9 +107,10 @@ void attend_scalar(const Queries& a, const uint16_t* K, const uint16_t* V, float
         for (int t = 0; t < n; t++) s[t] *= inv;
         float* o = a.orow(r);
         std::memset(o, 0, sizeof(float) * D);
-        for (int t = 0; t < n; t++) {
-            for (int i = 0; i < D; i++) row[i] = fp16_to_fp32(V[(size_t)t * D + i]);
-            for (int i = 0; i < D; i++) o[i] = std::fmaf(s[t], row[i], o[i]);
+        for (int v = 0; v < n; v++) {
+            const size_t t = (size_t)a.at(v, skip);
+            for (int i = 0; i < D; i++) row[i] = fp16_to_fp32(V[t * D + i]);
+            for (int i = 0; i < D; i++) o[i] = std::fmaf(s[v], row[i], o[i]);
         }
     }
 }
@@ -103,28 +123,44 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
 }
 
-// A row's softmax over the positions it sees, in place; the positions past them weigh
-// exactly 0. The same for every width of the attention below.
-static void softmax_rows(const Queries& a, float* scores, size_t stride, int n) {
+// e^(s - mx) over s[t0, t1) in place, eight at a time into acc; returns where that stopped.
+static int exp_block(float* s, int t0, int t1, __m256 vmx, __m256& acc) {
+    int t = t0;
+    for (; t + 8 <= t1; t += 8) {
+        const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    return t;
+}
+
+static void scale_block(float* s, int t0, int t1, float inv) {
+    const __m256 vinv = _mm256_set1_ps(inv);
+    int t = t0;
+    for (; t + 8 <= t1; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), vinv));
+    for (; t < t1; t++) s[t] *= inv;
+}
+
+// A row's softmax over the positions it sees, in place, of n virtual positions of a task
+// that skips `skip`; the others weigh exactly 0. The same for every width of the attention
+// below. A windowed row's sink is a whole number of vectors, so its sums run lane for lane
+// as they would in the row's own task.
+static void softmax_rows(const Queries& a, float* scores, size_t stride, int n, int skip) {
     for (int r = 0; r < a.rows(); r++) {
         float* s = scores + r * stride;
-        const int nr = a.seen(r);
-        const float mx = max_avx2(s, nr);
+        const int h = a.head(r), f = a.from(r, skip), e = a.to(r, skip);
+        const float mx = h ? std::max(max_avx2(s, h), max_avx2(s + f, e - f)) : max_avx2(s + f, e - f);
         const __m256 vmx = _mm256_set1_ps(mx);
         __m256 acc = _mm256_setzero_ps();
-        int t = 0;
-        for (; t + 8 <= nr; t += 8) {
-            const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
-            _mm256_storeu_ps(s + t, e);
-            acc = _mm256_add_ps(acc, e);
-        }
+        exp_block(s, 0, h, vmx, acc);
+        int t = exp_block(s, f, e, vmx, acc);
         float sum = hsum(acc);
-        for (; t < nr; t++) sum += s[t] = std::exp(s[t] - mx);
+        for (; t < e; t++) sum += s[t] = std::exp(s[t] - mx);
         const float inv = 1.0f / sum;
-        const __m256 vinv = _mm256_set1_ps(inv);
-        for (t = 0; t + 8 <= nr; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), vinv));
-        for (; t < nr; t++) s[t] *= inv;
-        for (t = nr; t < n; t++) s[t] = 0.f;
+        scale_block(s, 0, h, inv);
+        scale_block(s, f, e, inv);
+        std::fill(s + h, s + f, 0.f);
+        std::fill(s + e, s + n, 0.f);
     }
 }
 
@@ -162,6 +198,8 @@ constexpr int VALUE_ROWS = 6;
 constexpr int SCORE_BLOCK = 32;
 static_assert(SCORE_BLOCK % K_BLOCK == 0, "a score tile takes whole blocks of the K cache");
 // The work buffer beside the scores, per thread: either block as floats.
+static_assert(ATT_WINDOW_BLOCK % SCORE_BLOCK == 0 && ATT_WINDOW_BLOCK % VALUE_BLOCK == 0,
+              "a window starts on whole score and value tiles");
 constexpr int ATT_BUF_ROWS = SCORE_BLOCK > VALUE_BLOCK ? SCORE_BLOCK : VALUE_BLOCK;
 
 // One task's scratch: the scores of `rows` rows over up to `ctx` positions, then the block
@@ -329,6 +367,7 @@ struct Model::Impl {
     QActs acts;
     bool loaded = false;
     int split_tiles = SPLIT_GUIDED;
+    int att_sink = 0, att_window = 0;  // set_window
     bool profiling = false;
     double stage_secs[N_STAGES] = {}, lap_start = 0;
 
@@ -402,6 +441,12 @@ const char* Model::error() const { return impl_->err.c_str(); }
 const FileHeader& Model::config() const { return impl_->h; }
 int Model::max_context() const { return impl_->max_ctx; }
 void Model::set_chunk(int tiles) { impl_->split_tiles = tiles; }
+bool Model::set_window(int sink, int window) {
+    if (sink < 0 || window < 0 || sink % ATT_WINDOW_BLOCK) return false;
+    impl_->att_sink = sink;
+    impl_->att_window = window;
+    return true;
+}
 int Model::vocab() const { return impl_->vocab; }
 int Model::out_rows() const { return impl_->out_rows(); }
 const int32_t* Model::out_ids() const { return impl_->trim.fmt < 0 ? nullptr : impl_->ids.data(); }
@@ -625,7 +670,7 @@ void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int pat
             const size_t base = (((size_t)layer * KV + kvh) * cache_ctx) * D;
             const Queries a{qkv.data() + (size_t)j0 * qkv_rows + (size_t)kvh * group * D, (size_t)qkv_rows,
                             att.data() + (size_t)j0 * q_dim + (size_t)kvh * group * D, (size_t)q_dim,
-                            group, std::min(per, k - j0), pos + j0 + 1, D};
+                            group, std::min(per, k - j0), pos + j0 + 1, D, att_sink, att_window};
             attend(a, kcache() + base, vcache() + base, scale, scores, row);
         }
     });

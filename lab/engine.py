@@ -120,6 +120,7 @@ class Engine:
         self.eos_ids = [int(h.eos[i]) for i in range(int(h.n_eos))]
         self.arch = {i: a for a, i in native.consts().archs.items()}[int(h.arch)]
         self.trimmed = bool(self._m.out_ids())     # a draft whose logits cover only some tokens
+        self.window: tuple[int, int] | None = None   # (sink, window): set_window
 
     @property
     def kept_ids(self) -> np.ndarray | None:
@@ -146,6 +147,17 @@ class Engine:
             self._m.set_chunk(split_code(tiles))
         except ValueError as e:
             raise EngineError(str(e)) from None
+
+    def set_window(self, window: int, sink: int | None = None) -> None:
+        """Attention over the first `sink` positions and the last `window` (up to a block
+        more) once a token has seen more than both: a draft's cost then stops growing with
+        the context, and the target's verification keeps the output exact. window 0: every
+        position (the default). sink: one block unless given, a whole number of blocks."""
+        block = native.consts().window_block
+        sink = block if sink is None else sink
+        if not self._m.set_window(int(sink), int(window)):
+            raise EngineError(f"attention window {window} with sink {sink}: both >= 0, the sink a multiple of {block}")
+        self.window = (int(sink), int(window)) if window else None
 
     @property
     def weight_bytes(self) -> int:

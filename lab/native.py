@@ -135,7 +135,8 @@ def consts() -> SimpleNamespace:
         logits={"none": int(ns.LOGITS_NONE), "last": int(ns.LOGITS_LAST), "all": int(ns.LOGITS_ALL)},
         paths=_path_names(ns),
         archs={"qwen3": int(ns.ARCH_QWEN3), "qwen2": int(ns.ARCH_QWEN2), "llama": int(ns.ARCH_LLAMA)},
-        file_version=int(ns.MODEL_FILE_VERSION))
+        file_version=int(ns.MODEL_FILE_VERSION),
+        window_block=int(ns.ATT_WINDOW_BLOCK))
 
 
 def _path_names(ns) -> tuple[str, ...]:

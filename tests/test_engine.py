@@ -123,6 +123,36 @@ def test_attention_across_cache_blocks(files, pool, path):
     np.testing.assert_allclose(runs[path], want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
 
 
+@pytest.mark.parametrize("path", simd_paths())
+def test_windowed_attention(files, pool, path):
+    """A windowed engine (sink 32, window 40): a k-token pass whose rows start their windows
+    on different blocks still equals single passes; every path stays within float32
+    rounding of the scalar reference; tokens outside every window the last token's two
+    layers can reach leave its logits unchanged, while without the window they move them."""
+    c, n = TINY["tiny-qwen3"], 200
+    toks = (prompts(c, 1, seed=9)[0] * n)[:n]
+    runs = {}
+    for p in ("scalar", path):
+        e = Engine(files["tiny-qwen3"]["f32"], pool=pool, max_context=n, path=p)
+        e.set_window(40, sink=32)
+        e.forward(toks[:100], 0, logits="none")
+        runs[p] = np.stack([e.forward([t], 100 + j, logits="last") for j, t in enumerate(toks[100:])])
+        for at, k in ((100, 1), (100, 16), (119, 13), (150, 5), (184, 16)):
+            got = e.forward(toks[at:at + k], at)
+            assert got.tobytes() == runs[p][at - 100:at - 100 + k].tobytes(), (p, at, k)
+    want = runs["scalar"]
+    np.testing.assert_allclose(runs[path], want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+
+    e = Engine(files["tiny-qwen3"]["f32"], pool=pool, max_context=n, path=path)
+    changed = toks[:40] + [(t + 1) % c.tokenizer_size for t in toks[40:96]] + toks[96:]
+    full = [e.forward(t, 0, logits="last") for t in (toks, changed)]
+    assert not np.array_equal(*full)
+    e.set_window(40, sink=32)       # position 199 sees 160 on; the first layer there, 96 on
+    assert np.array_equal(*(e.forward(t, 0, logits="last") for t in (toks, changed)))
+    with pytest.raises(EngineError, match="multiple of 32"):
+        e.set_window(40, sink=16)
+
+
 def test_every_split_gives_the_same_logits(files, pool):
     toks = prompts(TINY["tiny-qwen3"], 1, seed=3)[0] + list(range(20))
     e = Engine(files["tiny-qwen3"]["q4-q8out"], pool=pool, max_context=128)

@@ -4,7 +4,7 @@ A is the engine's own attention on the AVX-512 path (`att512::attend`, compiled 
 kernels_cpp/model.cpp as it stands); B is a variant of kernels_cpp/attend.inc — a file of your
 own (--variant), or the engine's with one part left out (--drop values|scores|softmax), which
 says what that part costs. Each call of A and B takes one task of a pass: k tokens of the
-1.5B's head shape against one KV head of --context positions, cache-resident, or with
+1.5B's head shape (or --head's) against one KV head of --context positions, cache-resident, or with
 --memory cycled over heads four times the last-level cache in all, so K and V come from
 memory (over fewer, a large L3 serves them); first, the float peak the loops are
 held against (16 chains of 512-bit FMAs). A and B alternate call by call,
@@ -64,7 +64,7 @@ static double fma_peak_gmacs(long n) {
 
 int main(int argc, char** argv) {
     using namespace lab;
-    const int D = 128, group = 6, n0 = std::atoi(argv[1]), calls = std::atoi(argv[2]);
+    const int n0 = std::atoi(argv[1]), calls = std::atoi(argv[2]), D = std::atoi(argv[4]), group = std::atoi(argv[5]);
     const size_t set_bytes = std::strtoull(argv[3], nullptr, 10);
     double peak = 0;
     for (int r = 0; r < 5; r++) peak = std::max(peak, fma_peak_gmacs(20000000));
@@ -153,15 +153,18 @@ def main(argv=None) -> int:
     g.add_argument("--drop", choices=sorted(PARTS), help="B: the engine's attend.inc without this part")
     p.add_argument("--context", type=int, default=2048, help="cached positions (default 2048)")
     p.add_argument("--calls", type=int, default=400, help="calls of each version per k (default 400)")
+    p.add_argument("--head", default="128x6", help="head_dim x query heads per KV head (default 128x6, the "
+                   "1.5B's; the 0.5B draft's: 64x7)")
     p.add_argument("--memory", action="store_true",
                    help="cycle K and V over heads four times the last-level cache, so they come from memory")
     a = p.parse_args(argv)
     if "avx512vnni" not in native.supported_paths():
         raise SystemExit("this CPU lacks the AVX-512 path whose attention the A/B times")
-    if a.context < 1 or a.calls < 1:
-        raise SystemExit("--context and --calls: give positive numbers")
+    D, _, group = a.head.partition("x")
+    if a.context < 1 or a.calls < 1 or not (D.isdigit() and group.isdigit() and int(D) % 16 == 0 and int(group) >= 1):
+        raise SystemExit("--context and --calls: give positive numbers; --head: DxG, D a multiple of 16")
     exe = build(variant_source(a.variant, a.drop))
-    out = subprocess.run([str(exe), str(a.context), str(a.calls), str(4 * last_level_cache_bytes() if a.memory else 0)],
+    out = subprocess.run([str(exe), str(a.context), str(a.calls), str(4 * last_level_cache_bytes() if a.memory else 0), D, group],
                          capture_output=True, text=True, check=True).stdout
     print(out, end="")
     return 0
