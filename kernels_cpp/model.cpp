@@ -117,53 +117,6 @@ void attend_scalar(const Queries& a, const uint16_t* K, const uint16_t* V, float
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c")
-static inline float hsum(__m256 v) {
-    __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
-}
-
-// e^(s - mx) over s[t0, t1) in place, eight at a time into acc; returns where that stopped.
-static int exp_block(float* s, int t0, int t1, __m256 vmx, __m256& acc) {
-    int t = t0;
-    for (; t + 8 <= t1; t += 8) {
-        const __m256 e = exp_neg(_mm256_sub_ps(_mm256_loadu_ps(s + t), vmx));
-        _mm256_storeu_ps(s + t, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    return t;
-}
-
-static void scale_block(float* s, int t0, int t1, float inv) {
-    const __m256 vinv = _mm256_set1_ps(inv);
-    int t = t0;
-    for (; t + 8 <= t1; t += 8) _mm256_storeu_ps(s + t, _mm256_mul_ps(_mm256_loadu_ps(s + t), vinv));
-    for (; t < t1; t++) s[t] *= inv;
-}
-
-// A row's softmax over the positions it sees, in place, of n virtual positions of a task
-// that skips `skip`; the others weigh exactly 0. The same for every width of the attention
-// below. A windowed row's sink is a whole number of vectors, so its sums run lane for lane
-// as they would in the row's own task.
-static void softmax_rows(const Queries& a, float* scores, size_t stride, int n, int skip) {
-    for (int r = 0; r < a.rows(); r++) {
-        float* s = scores + r * stride;
-        const int h = a.head(r), f = a.from(r, skip), e = a.to(r, skip);
-        const float mx = h ? std::max(max_avx2(s, h), max_avx2(s + f, e - f)) : max_avx2(s + f, e - f);
-        const __m256 vmx = _mm256_set1_ps(mx);
-        __m256 acc = _mm256_setzero_ps();
-        exp_block(s, 0, h, vmx, acc);
-        int t = exp_block(s, f, e, vmx, acc);
-        float sum = hsum(acc);
-        for (; t < e; t++) sum += s[t] = std::exp(s[t] - mx);
-        const float inv = 1.0f / sum;
-        scale_block(s, 0, h, inv);
-        scale_block(s, f, e, inv);
-        std::fill(s + h, s + f, 0.f);
-        std::fill(s + e, s + n, 0.f);
-    }
-}
-
 // Lines of the cache's next block, fetched a few at a time among the arithmetic on this one,
 // so the stream from memory runs under the arithmetic: fetched in a burst before it, a block
 // waited for memory and then left memory idle while its arithmetic ran (docs/tuning.md).
@@ -222,6 +175,15 @@ struct Vec {
     static F bcast(const float* p) { return _mm256_broadcast_ss(p); }
     static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
     static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+    static F sub(F a, F b) { return _mm256_sub_ps(a, b); }
+    static F add(F a, F b) { return _mm256_add_ps(a, b); }
+    static F max(F a, F b) { return _mm256_max_ps(a, b); }
+    static F exp(F x) { return exp_neg(x); }
+    static float hsum(F v) {
+        __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+        return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+    }
 };
 #include "attend.inc"
 }  // namespace att256
@@ -240,6 +202,11 @@ struct Vec {
     static F bcast(const float* p) { return _mm512_set1_ps(*p); }
     static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
     static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+    static F sub(F a, F b) { return _mm512_sub_ps(a, b); }
+    static F add(F a, F b) { return _mm512_add_ps(a, b); }
+    static F max(F a, F b) { return _mm512_max_ps(a, b); }
+    static F exp(F x) { return exp_neg512(x); }
+    static float hsum(F v) { return _mm512_reduce_add_ps(v); }
 };
 #include "attend.inc"
 }  // namespace att512
