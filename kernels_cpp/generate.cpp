@@ -146,6 +146,9 @@ int Generator::run(const int32_t* prompt, int n_prompt, const GenParams& gp, int
     int tpos = n_prompt - 1, dpos = 0, rc = E_OK;
 
     stats_.prompt_tokens = n_prompt;
+    // The request's setup (pinning, buffers, a trimmed draft's rows for the prompt) is the
+    // prompt's time, not decoding's: a speculative run must not pay for it in its speedup.
+    stats_.t_prompt = now() - t_start;
     if (tpos > 0) {                              // the prompt pass: target, and draft alike
         Timer t(stats_.t_prompt);
         if ((rc = target_->forward(prompt, tpos, 0, nullptr, LOGITS_NONE, nullptr, pool_, path_))) return rc;

@@ -59,7 +59,7 @@ class Result:
 
     @property
     def prompt_tokens_per_s(self) -> float:
-        return (self.prompt_tokens - 1) / self.t_prompt if self.t_prompt > 0 else float("nan")
+        return (self.prompt_tokens - 1) / self.t_prompt if self.prompt_tokens > 1 and self.t_prompt > 0 else float("nan")
 
     @property
     def tokens_per_s(self) -> float:

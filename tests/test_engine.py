@@ -217,6 +217,18 @@ def test_greedy_speculation_equals_plain_greedy(files, pool, name):
     assert r.per_round[:5] == [(4, 4)] * 5                              # all-accepted rounds in a row
 
 
+def test_a_requests_setup_is_the_prompts_time(files, pool):
+    """Pinning, buffers and a trimmed draft's rows for the prompt count with the prompt, not
+    with decoding (a short answer's speedup would pay for them); a one-token prompt has
+    setup but no prompt rate."""
+    target = Engine(files["tiny-qwen2"]["q4-q8out"], pool=pool, max_context=256)
+    for r in (target.generate([7], 4), target.speculate([7], "lookup", gamma=2, max_new_tokens=4)):
+        assert r.t_prompt > 0 and math.isnan(r.prompt_tokens_per_s)
+        assert r.t_generate == pytest.approx(r.t_total - r.t_prompt)
+    r = target.generate(prompts(TINY["tiny-qwen2"], 1)[0] + [1, 2], 4)
+    assert r.prompt_tokens_per_s > 0
+
+
 def test_eos_inside_an_accepted_block_and_budget_mid_round(files, pool):
     path = files["tiny-qwen2"]["q8"]
     p = [3, 1, 4, 1, 5, 9, 2, 6]
