@@ -134,6 +134,9 @@ class Ahead {
         n_ = 0;
         for (int j = 0; j < per_ && p_ < end_; j++, p_ += 64) _mm_prefetch(p_, _MM_HINT_T0);
     }
+    void all() {                       // every line at once
+        for (; p_ < end_; p_ += 64) _mm_prefetch(p_, _MM_HINT_T0);
+    }
 
   private:
     const char* p_ = nullptr;
@@ -141,6 +144,9 @@ class Ahead {
     int every_ = 1, per_ = 1, n_ = 0;
 };
 
+// Blocks of the KV stream a task fetches ahead of its arithmetic: one block ahead left a
+// one-token task waiting on memory on the Zen 5 (docs/tuning.md).
+constexpr int AHEAD_BLOCKS = 2;
 // Positions whose values, as floats (32 x D: 16 KB at D = 128), stay in L1 while every row
 // and every slice of D passes over them, so V streams from memory once and is converted once.
 constexpr int VALUE_BLOCK = 32;
