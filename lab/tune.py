@@ -114,8 +114,9 @@ def key(ns=None) -> dict:
 
 
 def cache_file(k: dict) -> Path:
+    """Inside the build's own folder: two builds used in turn (an A/B) keep their own tunings."""
     cpu = hashlib.sha256(k["cpu"].encode()).hexdigest()[:8]
-    return native.cache_dir() / "native" / f"tuning-{k['path']}-{cpu}.json"
+    return native.cache_dir() / "native" / k["sources"] / f"tuning-{k['path']}-{cpu}.json"
 
 
 def _note(text: str) -> None:

@@ -78,7 +78,9 @@ def record(**over):
 def test_cache_round_trip(cache, restore):
     rec = record(read_gbps={"before": 78.4, "after": 44.1})
     f = tune.save(rec)
-    assert f.parent == cache / "native" and json.loads(f.read_text()) == rec
+    assert f.parent == cache / "native" / native.loaded_key() and json.loads(f.read_text()) == rec
+    other = tune.save(record(sources="0" * 20))            # another build's tuning, kept beside it
+    assert other != f and json.loads(f.read_text()) == rec
     assert tune.load() == rec
     tune.on_load(native.lib())
     assert tune.current() == rec["values"]
