@@ -138,8 +138,9 @@ def step_ms(target, context: int) -> float:
 def measure_costs(target, draft=None, contexts=CONTEXTS, kmax: int = 9, rounds: int = 7, reps: int = 2,
                   progress: bool = True) -> Costs:
     """v(k) for k = 1..kmax (a round of kmax - 1 guesses at most) and c at each context that
-    fits both caches, and o; measured once more when the target's step at the first context
-    has moved by STATE_GAP by the end (a table from two bandwidth states fits neither)."""
+    fits both caches, and o; measured once more when the target's step at any context has
+    moved by STATE_GAP by the end (a table from two bandwidth states fits neither; a flip
+    and a flip back can leave the first context alone)."""
     from tqdm.auto import tqdm
     from .costs import overhead
     _, _, ncx, vk, max_k = _consts()
@@ -153,7 +154,7 @@ def measure_costs(target, draft=None, contexts=CONTEXTS, kmax: int = 9, rounds: 
             vs.append(v)
             cs.append(c.get("draft", 0.0))
             steps.append(step)
-        if abs(step_ms(target, ctxs[0]) / steps[0] - 1) <= STATE_GAP:    # one state from start to end
+        if all(abs(step_ms(target, c) / s - 1) <= STATE_GAP for c, s in zip(ctxs, steps)):   # one state throughout
             break
     o = overhead(target, draft, tokens=32)
     return Costs(machine=machine_id(target.pool.threads), target=_content(target), draft=_content(draft),

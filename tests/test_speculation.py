@@ -234,10 +234,11 @@ def test_a_cached_table_that_does_not_say_its_bandwidth_state_is_measured_again(
     assert P.costs_for(target, None, progress=False) == again
 
 
-@pytest.mark.parametrize("ends_at, tables", [(10.5, 1), (15.0, 2)])
+@pytest.mark.parametrize("ends_at, tables", [({32: 10.5, 64: 9.5}, 1), ({32: 15.0, 64: 15.0}, 2),
+                                             ({32: 10.0, 64: 15.0}, 2)])
 def test_a_table_measured_across_a_flip_is_measured_again(files, pool, monkeypatch, ends_at, tables):
-    """The target's step at the first context, taken again when the table is done, says whether
-    the bus stayed in one state; when it moved by more than STATE_GAP the table is measured again."""
+    """The target's step at each context, taken again when the table is done, says whether the
+    bus stayed in one state; when one moved by more than STATE_GAP the table is measured again."""
     target = Engine(files["target"], pool=pool, max_context=256)
     measured = []
 
@@ -245,7 +246,7 @@ def test_a_table_measured_across_a_flip_is_measured_again(files, pool, monkeypat
         measured.append(ctx)
         return [0.0] + [1.0] * 9, {}, 10.0
     monkeypatch.setattr(P, "costs_at", costs_at)
-    monkeypatch.setattr(P, "step_ms", lambda t, ctx: ends_at)
+    monkeypatch.setattr(P, "step_ms", lambda t, ctx: ends_at[ctx])
     c = P.measure_costs(target, None, contexts=(32, 64), progress=False)
     assert measured == [32, 64] * tables and c.step_ms == [10.0, 10.0]
 
