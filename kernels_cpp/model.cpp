@@ -70,7 +70,8 @@ struct Queries {
         const int l = window ? std::max(seen(r) - window, 0) / ATT_WINDOW_BLOCK * ATT_WINDOW_BLOCK : 0;
         return l > sink ? l : 0;
     }
-    int skip() const { return lo(0) ? lo(0) - sink : 0; }            // positions the task leaves out
+    // positions row r's own task would leave out; row 0's are the task's
+    int skip(int r = 0) const { return lo(r) ? lo(r) - sink : 0; }
     int at(int v, int skip) const { return v < sink ? v : v + skip; }  // virtual position -> cached
     // row r's virtual positions: [0, head(r)) and [from(r), to(r)), in a task that skips `skip`
     int head(int r) const { return lo(r) ? sink : 0; }
@@ -90,7 +91,7 @@ void attend_scalar(const Queries& a, const uint16_t* K, const uint16_t* V, float
                    float* row) {
     const int D = a.D;
     for (int r = 0; r < a.rows(); r++) {
-        const int skip = a.lo(r) ? a.lo(r) - a.sink : 0, n = a.seen(r) - skip;
+        const int skip = a.skip(r), n = a.seen(r) - skip;
         const float* q = a.qrow(r);
         float* s = scores;
         for (int v = 0; v < n; v++) {

@@ -120,7 +120,6 @@ class Engine:
         self.eos_ids = [int(h.eos[i]) for i in range(int(h.n_eos))]
         self.arch = {i: a for a, i in native.consts().archs.items()}[int(h.arch)]
         self.trimmed = bool(self._m.out_ids())     # a draft whose logits cover only some tokens
-        self.window: tuple[int, int] | None = None   # (sink, window): set_window
 
     @property
     def kept_ids(self) -> np.ndarray | None:
@@ -157,7 +156,6 @@ class Engine:
         sink = block if sink is None else sink
         if not self._m.set_window(int(sink), int(window)):
             raise EngineError(f"attention window {window} with sink {sink}: both >= 0, the sink a multiple of {block}")
-        self.window = (int(sink), int(window)) if window else None
 
     @property
     def weight_bytes(self) -> int:

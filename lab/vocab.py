@@ -120,6 +120,15 @@ def trimmed_draft_file(draft_name: str, target_name: str, n: int, fmt: str = "q4
     return export(m.config, m.weights, out, scheme, meta, keep=keep(r, n), keep_fmt=fmt)
 
 
+def greedy_hits(draft, prompt: list[int], answer: list[int]) -> np.ndarray:
+    """Whether the draft's greedy token is the answer's, at each answer position, teacher-forced
+    along it, the draft scoring the prompt's own tokens as the round loop does."""
+    from .policy import teacher_forced
+    draft.set_extra_rows(prompt)
+    logits = np.concatenate([x for _, x in teacher_forced(draft, prompt, answer)])
+    return logits.argmax(-1) == np.asarray(answer)
+
+
 def curve(target, draft_name: str, target_name: str, ns=(8192, 16384, 32768, 65536), fmt: str = "q4",
           samples=(), context: int = 512, rounds: int = 5, progress: bool = True) -> list[dict]:
     """c, greedy α per group and coverage of the draft trimmed to each N (0: the stock draft).
@@ -129,7 +138,6 @@ def curve(target, draft_name: str, target_name: str, ns=(8192, 16384, 32768, 655
     from tqdm.auto import tqdm
     from .engine import Engine
     from .models.export import engine_file
-    from .policy import teacher_forced
     from .protocol import fill, flat, forward_samples, interleave, paired_ratio
     files = {n: trimmed_draft_file(draft_name, target_name, n, fmt, progress=progress) if n else engine_file(draft_name)
              for n in ns}
@@ -143,9 +151,7 @@ def curve(target, draft_name: str, target_name: str, ns=(8192, 16384, 32768, 655
     for n, d in tqdm(drafts.items(), desc="α per N", unit="draft", disable=not progress, file=sys.stderr):
         hits: dict[str, list[float]] = {}
         for group, prompt, answer in samples:
-            d.set_extra_rows(prompt)
-            logits = np.concatenate([x for _, x in teacher_forced(d, prompt, answer)])
-            hits.setdefault(group, []).extend((logits.argmax(-1) == np.asarray(answer)).tolist())
+            hits.setdefault(group, []).extend(greedy_hits(d, prompt, answer).tolist())
         kept = d.kept_ids[:n] if n else None
         row = {"N": n or int(d.vocab), "trimmed": bool(n), "format": fmt if n else "stock",
                "c": paired_ratio(timed[n], timed["target"])["median"],

@@ -20,15 +20,8 @@ from lab.distill.pipeline import specbench_samples  # noqa: E402
 from lab.engine import Engine  # noqa: E402
 from lab.kernels import Pool  # noqa: E402
 from lab.models.export import engine_file  # noqa: E402
-from lab.policy import teacher_forced  # noqa: E402
 
 WINDOWS = ((32, 0), (32, 512), (32, 256), (32, 128), (64, 256), (128, 128))   # (sink, window)
-
-
-def alpha(draft, sample) -> float:
-    draft.set_extra_rows(sample.prompt)
-    logits = np.concatenate([x for _, x in teacher_forced(draft, sample.prompt, sample.answer)])
-    return float(np.mean(logits.argmax(-1) == np.asarray(sample.answer)))
 
 
 def main(argv=None) -> int:
@@ -45,7 +38,7 @@ def main(argv=None) -> int:
     for s in samples:
         for sink, window in WINDOWS:
             d.set_window(window, sink=sink)
-            hits[(sink, window)].setdefault(s.source, []).append(alpha(d, s))
+            hits[(sink, window)].setdefault(s.source, []).append(float(vocab.greedy_hits(d, s.prompt, s.answer).mean()))
     groups = sorted({s.source for s in samples})
     print("sink/window  " + "  ".join(f"{g[:13]:>13}" for g in groups) + "            all")
     for w, by in hits.items():
