@@ -210,7 +210,10 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
         const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(dt + at.d)));
         __m512i w[8];                                   // w[j] meets activation bytes 4j..4j+3
         for (int g = 0; g < CH; g++) {
-            const __m512i x = _mm512_load_si512(qb + g * CHUNK);
+            __m512i x = _mm512_load_si512(qb + g * CHUNK);
+            // one load feeds both nibbles: the compiler would fold it into each, and the core
+            // moves only two loads a cycle into its vector unit, each broadcast operand one of them
+            asm("" : "+v"(x));
             if (FMT == FMT_Q4) {
                 w[g] = _mm512_and_si512(x, nib);
                 w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(x, 4), nib);
