@@ -83,8 +83,8 @@ class CostStates:
     """Cost tables (name -> Costs) for the bandwidth states a run meets. A bracket's predictions
     take the table whose target step, at the turn's context and for the run's draft, is nearest
     its plain runs'; when none is within STATE_GAP and `measure` (() -> name -> Costs) is given,
-    a table is measured there and then (MAX_TABLES in all). Tables made on the fast bus mispredict slow brackets
-    by ~13% (docs/tuning.md)."""
+    a table is measured there and then (MAX_TABLES in all). Tables made on the fast bus
+    mispredict slow brackets by ~13% (docs/tuning.md)."""
 
     def __init__(self, costs: dict, measure=None):
         self.tables = [costs] if costs else []

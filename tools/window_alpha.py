@@ -2,7 +2,8 @@
 
 Teacher-forced along the target's cached greedy answers to the Spec-Bench development
 prompts (first turns), as the policy notebook's α against N is, once per (sink, window):
-`Engine.set_window`. Prints α per group for each window; window 0 is the draft as it runs.
+`Engine.set_window`. Prints α per group for each window, each prompt's hit rate averaged
+(the notebook pools positions instead); window 0 is the draft as it runs.
 
     .venv/bin/python tools/window_alpha.py --per-group 16
 """
