@@ -1,12 +1,12 @@
 """The speculative benchmark (`lab bench speculative`): plain against speculative decoding,
 prompt by prompt, paired in time.
 
-Each prompt's turn runs plain, then every speculative setting, then plain again: a
-setting's speedup is its tokens/s over the mean of the two plain runs around it, so a
-bandwidth flip between prompts cannot fake a speedup; when the two plain runs disagree by
-more than UNSTEADY the whole bracket runs again (once) and the row says so; a bracket whose
-runs generate for under SHORT seconds in all (prefill not counted) runs REPEATS times and each
-rate is its median repeat. Multi-turn prompts run every turn, the later ones seeing the model's
+Each prompt's turn runs plain, then each speculative setting followed by plain again (plain,
+setting 1, plain, setting 2, ..., plain): a setting's speedup is its tokens/s over the mean of
+the two plain runs adjacent to it, so a bandwidth flip elsewhere in the turn cannot fake a
+speedup; when those two disagree by more than UNSTEADY the setting's bracket runs again (once)
+and the row says so; a bracket whose runs generate for under SHORT seconds in all (prefill
+not counted) runs REPEATS times and each rate is its median repeat. Multi-turn prompts run every turn, the later ones seeing the model's
 own earlier answers, as Spec-Bench does. Every greedy speculative output must equal plain: a
 difference raises. The cost model's prediction for each run comes from the rounds it actually
 made, priced by costs measured in the bandwidth state its bracket ran in (CostStates), and
@@ -156,12 +156,12 @@ class Conversation:
         return out
 
 
-def _steady(plain, runs, rate):
-    """plain, each run, plain -- once more when the two plain runs' rates differ by more than
-    UNSTEADY (a bandwidth flip)."""
+def _steady(plain, run, rate, before=None):
+    """before (the plain run just made) or a new one, the run, a plain run -- the three anew,
+    once, when the two plain runs' rates differ by more than UNSTEADY (a bandwidth flip)."""
     for tries in (1, 2):
-        first = plain()
-        mine = [fn() for fn in runs]
+        first = before if before is not None and tries == 1 else plain()
+        mine = run()
         last = plain()
         if abs(rate(first) / rate(last) - 1) <= UNSTEADY:
             break
@@ -173,20 +173,30 @@ def _middle(xs: list, key):
 
 
 def bracket(plain, runs, run_of=lambda r: r):
-    """Each run between two plain runs; a bracket whose timed generation (prompts not counted:
-    a long prompt's prefill would hide a short answer) adds up to under SHORT seconds runs
-    REPEATS times, and each rate is then its median repeat, so one stall in a second-long run
-    cannot decide a row. run_of: the Result-like part (tokens, tokens_per_s) of what the callables
-    return. -> ((first, last) plain runs, results, tries: brackets run)."""
+    """Each run between two plain runs adjacent to it in time -- plain, run 1, plain, run 2, ...,
+    plain -- so a bandwidth flip a few runs away cannot move its speedup. A bracket whose timed
+    generation (prompts not counted: a long prompt's prefill would hide a short answer) adds
+    up to under SHORT seconds runs REPEATS times, and its rates are then the median repeat's,
+    so one stall in a second-long run cannot decide a row. run_of: the Result-like part
+    (tokens, tokens_per_s) of what the callables return. No runs: two plain runs.
+    -> per run: ((before, after) plain runs, result, tries: brackets run)."""
     rate = lambda r: run_of(r).tokens_per_s
-    reps = [_steady(plain, runs, rate)]
-    (first, last), mine, _ = reps[0]
-    timed = sum(len(run_of(r).tokens) / rate(r) for r in (first, last, *mine))
-    if timed < SHORT:
-        reps += [_steady(plain, runs, rate) for _ in range(REPEATS - 1)]
-    pair = _middle([r[0] for r in reps], lambda ab: rate(ab[0]) + rate(ab[1]))
-    mine = [_middle([r[1][j] for r in reps], rate) for j in range(len(runs))]
-    return pair, mine, sum(r[2] for r in reps)
+    out, last = [], None
+    for run in runs or [lambda: None]:
+        reps = []
+        while not reps or len(reps) < REPEATS and _timed(reps[0], run_of) < SHORT:
+            reps.append(_steady(plain, run, rate, last))
+            last = reps[-1][0][1]
+        pair = _middle([r[0] for r in reps], lambda ab: rate(ab[0]) + rate(ab[1]))
+        mine = None if reps[0][1] is None else _middle([r[1] for r in reps], rate)
+        out.append((pair, mine, sum(r[2] for r in reps)))
+    return out
+
+
+def _timed(rep, run_of) -> float:
+    """Seconds a bracket spent generating."""
+    (first, last), mine, _ = rep
+    return sum(len(run_of(r).tokens) / run_of(r).tokens_per_s for r in (first, last, mine) if r is not None)
 
 
 def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], max_new_tokens: int = 128,
@@ -223,9 +233,9 @@ def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], 
         answers: list[list[int]] = []
         for turn in range(len(p["turns"])):
             ids = conv.ids(p["turns"][:turn + 1], answers)
-            (a, b), mine, tries = bracket(lambda: plain_run(ids), [spec(ids, s) for s in setting_list])
-            plain_tps = (a.tokens_per_s + b.tokens_per_s) / 2
-            for s, r in zip(setting_list, mine):
+            brackets = bracket(lambda: plain_run(ids), [spec(ids, s) for s in setting_list])
+            for s, ((a, b), r, tries) in zip(setting_list, brackets):
+                plain_tps = (a.tokens_per_s + b.tokens_per_s) / 2
                 table = states.pick(1e3 / plain_tps, len(ids) + len(a.tokens) // 2, s.draft)
                 equal = r.tokens == a.tokens
                 if temperature == 0 and not equal:
@@ -241,7 +251,7 @@ def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], 
                              "rounds": {k: r.kinds.count(k) for k in ("draft", "lookup", "plain")},
                              # what a later cost model needs to predict this run again
                              "prompt_tokens": r.prompt_tokens, "per_round": r.per_round, "kinds": r.kinds})
-            answers.append(a.tokens)
+            answers.append(brackets[0][0][0].tokens)
             bar.update()
     bar.close()
     return {"rows": rows, "summary": summarize(rows),

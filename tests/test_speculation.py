@@ -325,6 +325,18 @@ def test_bench_brackets_each_run_with_plain_runs(long_runs):
     assert res["summary"][-1]["group"] == "overall" and res["summary"][-1]["speedup"] == pytest.approx(1.5)
 
 
+def test_each_setting_is_paired_with_the_plain_runs_beside_it(long_runs):
+    """Two settings: plain, setting 1, plain, setting 2, plain -- the bus slowing after the first
+    setting moves the second's plain runs with it, not the first's speedup."""
+    t = FakeTarget([40.0, 40.0, 36.0], spec_speeds=[60.0, 57.0])
+    res = S.run(t, {"draft": None}, PROMPT, [S.Setting("lookup", 2), S.Setting("lookup", 4)],
+                target_name="tiny-qwen2", progress=False)
+    assert t.calls == ["plain", "spec", "plain", "spec", "plain"]
+    first, second = res["rows"]
+    assert first["speedup"] == pytest.approx(1.5) and first["plain_tokens_per_s"] == pytest.approx(40)
+    assert second["speedup"] == pytest.approx(57 / 38) and second["plain_spread"] == pytest.approx(40 / 36 - 1)
+
+
 def test_a_bandwidth_flip_reruns_the_bracket(long_runs):
     """Plain at 46 then 72 tokens/s around the speculative run: not a pair to trust."""
     t = FakeTarget([46.0, 72.0, 50.0, 50.0])
@@ -335,9 +347,9 @@ def test_a_bandwidth_flip_reruns_the_bracket(long_runs):
 
 def test_a_stall_in_a_short_bracket_does_not_decide_the_row():
     """A second-long run stalled once (20 tokens/s against 60): the median of three brackets."""
-    t = FakeTarget([40.0, 40.0, 40.0, 40.0, 30.0, 30.0], spec_speeds=[60.0, 20.0, 60.0])
+    t = FakeTarget([40.0, 40.0, 40.0, 35.0], spec_speeds=[60.0, 20.0, 60.0])
     res = S.run(t, {"draft": None}, PROMPT, [S.Setting("lookup", 2)], target_name="tiny-qwen2", progress=False)
-    assert t.calls == ["plain", "spec", "plain"] * S.REPEATS
+    assert t.calls == ["plain"] + ["spec", "plain"] * S.REPEATS      # a repeat starts from the last plain run
     assert res["rows"][0]["tries"] == 3 and res["rows"][0]["speedup"] == pytest.approx(1.5)
 
 
@@ -346,11 +358,11 @@ def test_a_short_answer_behind_a_long_prompt_still_repeats(monkeypatch):
     prefill (here a sleep in each plain run) must not hide a second-long answer's stall."""
     import time
     monkeypatch.setattr(S, "SHORT", 0.5)
-    t = FakeTarget([40.0] * 6, spec_speeds=[60.0, 20.0, 60.0])
+    t = FakeTarget([40.0] * 4, spec_speeds=[60.0, 20.0, 60.0])
     slow_generate = t.generate
     monkeypatch.setattr(t, "generate", lambda *a, **kw: (time.sleep(0.3), slow_generate(*a, **kw))[1])
     res = S.run(t, {"draft": None}, PROMPT, [S.Setting("lookup", 2)], target_name="tiny-qwen2", progress=False)
-    assert t.calls == ["plain", "spec", "plain"] * S.REPEATS and res["rows"][0]["speedup"] == pytest.approx(1.5)
+    assert t.calls == ["plain"] + ["spec", "plain"] * S.REPEATS and res["rows"][0]["speedup"] == pytest.approx(1.5)
 
 
 def test_a_long_answer_runs_once_however_fast_the_calls_return():

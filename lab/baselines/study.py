@@ -134,20 +134,23 @@ def generation(systems: list[System], prompts: list[tuple[dict, list[int]]], ref
 
 
 def _bracket(s: System, p: dict, ids: list[int], meter) -> list[dict]:
-    """plain, each setting, plain (again if the plain runs disagree) -> one row per setting
-    (plain's: the two plain runs' mean)."""
+    """plain, then each setting and plain again (a setting's bracket again if its plain runs
+    disagree) -> one row per setting, over its two plain runs' mean, and the plain row (the
+    first two plain runs' mean)."""
     plain = lambda: _measured(s.settings["plain"], ids, meter)
     spec = {k: (lambda fn=fn: _measured(fn, ids, meter)) for k, fn in s.settings.items() if k != "plain"}
-    ((first, e0), (last, e1)), mine, tries = bracket(plain, list(spec.values()), lambda m: m[0])
+    brackets = bracket(plain, list(spec.values()), lambda m: m[0])
+    ((first, e0), (last, e1)), _, tries = brackets[0]
     plain_tps = (first.tokens_per_s + last.tokens_per_s) / 2
     rows = [_row(s, p, "plain", first, plain_tps, plain_tps, _mean_energy(e0, e1), True, tries)
             | {"same_prefix": len(first.tokens)}]
-    for k, (r, e) in zip(spec, mine):
+    for k, (((a, _), (b, _)), (r, e), tries) in zip(spec, brackets):
         same = _common_prefix(r.tokens, first.tokens)
         if s.exact and r.tokens != first.tokens:
             raise SpeculationMismatch(f"{s.name} {k} on prompt {p['id']}: greedy output differs from its plain run "
                                       f"at token {same}")
-        rows.append(_row(s, p, k, r, r.tokens_per_s, plain_tps, e, r.tokens == first.tokens, tries) | {"same_prefix": same})
+        rows.append(_row(s, p, k, r, r.tokens_per_s, (a.tokens_per_s + b.tokens_per_s) / 2, e,
+                         r.tokens == first.tokens, tries) | {"same_prefix": same})
     return rows
 
 

@@ -48,17 +48,16 @@ def summarize(rows: list[dict], gammas=tuple(range(1, 9)), by: str = "group") ->
 
 
 def speedups(target, drafts: dict, prompts, gammas=(1, 2, 3, 4), max_new_tokens: int = 64) -> list[dict]:
-    """Greedy speculative against plain decoding per prompt, each draft at each γ, bracketed
-    by two plain runs (lab.speculative.bracket) so drift hits them alike; every output is
+    """Greedy speculative against plain decoding per prompt, each draft at each γ between two
+    plain runs adjacent to it (lab.speculative.bracket) so drift hits them alike; every output is
     checked equal to plain. prompts: (group, ids)."""
     from ..speculative import SpeculationMismatch, bracket
     rows = []
     settings = [(g, name, d) for g in gammas for name, d in drafts.items()]
     for group, ids in tqdm(prompts, desc="speedups", unit="prompt", file=sys.stderr):
         runs = [lambda g=g, d=d: target.speculate(ids, d, gamma=g, max_new_tokens=max_new_tokens) for g, _, d in settings]
-        (a, b), mine, _ = bracket(lambda: target.generate(ids, max_new_tokens), runs)
-        plain_tps = (a.tokens_per_s + b.tokens_per_s) / 2
-        for (g, name, _), r in zip(settings, mine):
+        for (g, name, _), ((a, b), r, _) in zip(settings, bracket(lambda: target.generate(ids, max_new_tokens), runs)):
+            plain_tps = (a.tokens_per_s + b.tokens_per_s) / 2
             if r.tokens != a.tokens:
                 raise SpeculationMismatch(f"speculative output differs from plain ({group}, {name}, gamma {g})")
             rows.append({"group": group, "draft": name, "gamma": g, "speedup": r.tokens_per_s / plain_tps,
