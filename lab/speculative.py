@@ -6,8 +6,8 @@ setting 1, plain, setting 2, ..., plain): a setting's speedup is its tokens/s ov
 the two plain runs adjacent to it, so a bandwidth flip elsewhere in the turn cannot fake a
 speedup; when those two disagree by more than UNSTEADY the setting's bracket runs again (once)
 and the row says so; a bracket whose runs generate for under SHORT seconds in all (prefill
-not counted) runs REPEATS times and each rate is its median repeat. Multi-turn prompts run every turn, the later ones seeing the model's
-own earlier answers, as Spec-Bench does. Every greedy speculative output must equal plain: a
+not counted) runs REPEATS times and each rate is its median repeat. Multi-turn prompts run
+every turn, the later ones seeing the model's own earlier answers, as Spec-Bench does. Every greedy speculative output must equal plain: a
 difference raises. The cost model's prediction for each run comes from the rounds it actually
 made, priced by costs measured in the bandwidth state its bracket ran in (CostStates), and
 the automatic policy plans each run with those same costs.
