@@ -7,10 +7,11 @@ the two plain runs adjacent to it, so a bandwidth flip elsewhere in the turn can
 speedup; when those two disagree by more than UNSTEADY the setting's bracket runs again (once)
 and the row says so; a bracket whose runs generate for under SHORT seconds in all (prefill
 not counted) runs REPEATS times and each rate is its median repeat. Multi-turn prompts run
-every turn, the later ones seeing the model's own earlier answers, as Spec-Bench does. Every greedy speculative output must equal plain: a
-difference raises. The cost model's prediction for each run comes from the rounds it actually
-made, priced by costs measured in the bandwidth state its bracket ran in (CostStates), and
-the automatic policy plans each run with those same costs.
+every turn, the later ones seeing the model's own earlier answers, as Spec-Bench does. Every
+greedy speculative output must equal plain: a difference raises. The cost model's prediction
+for each run comes from the rounds it actually made, priced by costs measured in the
+bandwidth state its bracket ran in (CostStates), and the automatic policy plans each run with
+those same costs.
 """
 from __future__ import annotations
 
@@ -251,7 +252,8 @@ def run(target, drafts: dict, prompts: list[dict], setting_list: list[Setting], 
                              "rounds": {k: r.kinds.count(k) for k in ("draft", "lookup", "plain")},
                              # what a later cost model needs to predict this run again
                              "prompt_tokens": r.prompt_tokens, "per_round": r.per_round, "kinds": r.kinds})
-            answers.append(brackets[0][0][0].tokens)
+            (first_plain, _), _, _ = brackets[0]
+            answers.append(first_plain.tokens)
             bar.update()
     bar.close()
     return {"rows": rows, "summary": summarize(rows),
