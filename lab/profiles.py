@@ -72,13 +72,15 @@ def ranges() -> dict[str, Range]:
     notebooks share their names, so one table serves them all."""
     counts = ("buffer_mb", "rounds", "per_group", "per_source", "max_new_tokens", "top_k", "rank", "steps",
               "batch", "eval_every", "eval_sequences", "specbench_per_group", "bench_new_tokens", "context",
-              "contexts", "ks", "window", "windows", "curve_per_group", "calibration_per_source", "vocab_ns", "hf_prompts")
+              "contexts", "ks", "window", "windows", "curve_per_group", "calibration_per_source", "vocab_ns", "hf_prompts",
+              "sampled_per_group")
     return {**dict.fromkeys(counts, COUNT),
             **dict.fromkeys(("gamma", "gammas", "draft_gammas", "lookup_gammas", "llama_gammas", "max_gamma", "max_k"), guesses()),
             "threads": dataclasses.replace(cpu_threads(), null=True),          # null: every CPU
             "max_prompt_tokens": dataclasses.replace(COUNT, null=True),    # null: no limit
             "draft_vocab": Range(0, why="0: the stock draft"), "warmup": Range(0), "weight": Range(0),
             "lr": Range(0, gt=True), "held_out": Range(0, 1),
+            "sampled_temperatures": Range(0, gt=True, why="0 is the greedy run", kind="float"),
             "duties": Range(0, 1, why="a co-runner's busy share of each period", kind="float")}
 
 

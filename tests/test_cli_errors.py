@@ -125,12 +125,14 @@ def test_run_checks_set_values_before_any_notebook(capsys, tmp_path, setting, ph
     ("notebooks:\n  gamma: {held: 1}\n", "notebooks.gamma.held is not a parameter of gamma"),
     ("notebooks:\n  gamma: {gammas: [1, 2.5]}\n", "gammas[1] must be int, got float 2.5"),
     ("notebooks:\n  distill: {held_out: .nan}\n", "held_out must be from 0 to 1, got nan"),
+    ("notebooks:\n  policy: {sampled_temperatures: [0.7, 0]}\n",
+     "sampled_temperatures[1] must be > 0 (0 is the greedy run), got 0"),
     ("shared: [1\n", "is not valid YAML"),
 ])
 def test_run_checks_the_profile_file(capsys, tmp_path, text, phrase):
     profile = tmp_path / "bad.yaml"
     profile.write_text(text)
-    nb = "distill" if "distill" in text else "gamma"
+    nb = next((n for n in ("distill", "policy") if n in text), "gamma")
     msg = _fails(capsys, ["run", nb, "--profile", str(profile), "--out", str(tmp_path / "out")], phrase)
     assert str(profile) in msg
     assert not (tmp_path / "out").exists()
