@@ -156,6 +156,8 @@ namespace avx512 {
 // into L1 and nothing more: a further request into L2 slowed it. Several tokens are bound by
 // arithmetic as much as by the stream, and the hardware prefetcher falls behind a stream read
 // that slowly, so they ask into L2 far ahead and into L1 near. Measurements: docs/tuning.md.
+// A cache line of scales serves this many blocks of a tile.
+constexpr int BLOCKS_PER_SCALE_LINE = 64 / (TILE * 2);
 // Which kernels take the single-token scheme: one token, and two to four tokens where the
 // stream still binds them, as Tuning says per format and k (measured per machine).
 static inline bool stream_bound(int fmt, int k, const Tuning& tn) {
@@ -186,10 +188,11 @@ constexpr bool through_memory(int fmt, int k) { return k == 2 || (fmt == FMT_Q8 
 
 // One tile's rows for the G tokens from `tok0` on, every block in order, in a pass of K
 // tokens in all. SINGLE: the single-token prefetch scheme; only the first group of a tile
-// asks for the stream ahead (PREFETCH_AHEAD), `ahead` bytes into L1 and `ahead_l2` into L2.
+// asks for the stream ahead (PREFETCH_AHEAD), `ahead` bytes into L1 and `ahead_l2` into L2,
+// and the scales `ahead_d` bytes ahead into L1 (none when 0).
 template <int FMT, int G, int K, bool SINGLE, bool PREFETCH_AHEAD>
 static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int tok0, float (*acc)[TILE],
-                             int64_t ahead, int64_t ahead_l2) {
+                             int64_t ahead, int64_t ahead_l2, int64_t ahead_d) {
     const int nb = W.cols / QK;
     constexpr int CH = block_chunks(FMT);
     const __m512i nib = _mm512_set1_epi8(0x0f);
@@ -206,6 +209,7 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
             for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + ahead + g * CHUNK), _MM_HINT_T0);
             if (!SINGLE)
                 for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + ahead_l2 + g * CHUNK), _MM_HINT_T2);
+            if (ahead_d && b % BLOCKS_PER_SCALE_LINE == 0) _mm_prefetch((const char*)(dt + at.d) + ahead_d, _MM_HINT_T0);
         }
         const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(dt + at.d)));
         __m512i w[8];                                   // w[j] meets activation bytes 4j..4j+3
@@ -246,10 +250,13 @@ static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, i
     constexpr int CH = block_chunks(FMT);
     const int64_t ahead = (int64_t)(SINGLE ? tn.prefetch_k1 : tn.prefetch_l1_k) * CH / 4;
     const int64_t ahead_l2 = (int64_t)tn.prefetch_l2_k * CH / 4;
+    // the scales as many blocks ahead as the bytes into L1: a block's scales are TILE fp16 values
+    const int64_t ahead_d = tn.prefetch_scales ? ahead / (CH * CHUNK) * TILE * 2 : 0;
     alignas(64) float acc[K][TILE];
     for (int tile = t0; tile < t1; tile++) {
-        tile_pass<FMT, G1, K, SINGLE, true>(W, A, tile, 0, acc, ahead, ahead_l2);
-        if constexpr (G2 > 0) tile_pass<FMT, G2, K, SINGLE, false>(W, A, tile, G1, acc + G1, ahead, ahead_l2);
+        tile_pass<FMT, G1, K, SINGLE, true>(W, A, tile, 0, acc, ahead, ahead_l2, ahead_d);
+        if constexpr (G2 > 0)
+            tile_pass<FMT, G2, K, SINGLE, false>(W, A, tile, G1, acc + G1, ahead, ahead_l2, ahead_d);
         store_tile(W, y, ldy, tile, K, acc);
     }
 }

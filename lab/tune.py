@@ -2,9 +2,10 @@
 
 The choices (the C++ `Tuning`, kernels_cpp/lab.h): the AVX-512 kernel's prefetch distances for
 one token and for k >= 2, whether 2, 3 and 4 tokens take the single-token scheme (per format),
-the matrix size from which the matmul split turns from static halves to guided shares, and the
-guided split's smallest share (both judged on quiet cores and with one core shared with a
-co-runner, lab.slowcore, keeping the value that holds up on both). None of them
+whether it prefetches the scales region too, the matrix size from which the matmul split turns
+from static halves to guided shares, and the guided split's smallest share (both judged on
+quiet cores and with one core shared with a co-runner, lab.slowcore, keeping the value that
+holds up on both). None of them
 changes a result (tests/test_tune.py checks every candidate bit for bit); the choices that change
 arithmetic order stay fixed per kernel path.
 
@@ -36,7 +37,8 @@ from .slowcore import SlowCore
 
 SINGLE_K = (2, 3, 4)     # the token counts whose prefetch scheme is chosen, per format
 SINGLE = {f"{fmt}_single_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in SINGLE_K}   # field -> what it moves
-FIELDS = ("prefetch_k1", "prefetch_l1_k", "prefetch_l2_k", *SINGLE, "guided_min_bytes", "guided_from_bytes")
+FLAGS = (*SINGLE, "prefetch_scales")      # the yes/no fields
+FIELDS = ("prefetch_k1", "prefetch_l1_k", "prefetch_l2_k", *FLAGS, "guided_min_bytes", "guided_from_bytes")
 MB = 1 << 20
 # What the tuner tries besides the default (which it always tries).
 PREFETCH_K1 = (2048, 4096, 8192, 16384)
@@ -60,7 +62,7 @@ _noted: set[str] = set()
 # ----------------------------------------------------------------------------
 
 def _as_dict(t) -> dict:
-    return {f: bool(getattr(t, f)) if f in SINGLE else int(getattr(t, f)) for f in FIELDS}
+    return {f: bool(getattr(t, f)) if f in FLAGS else int(getattr(t, f)) for f in FIELDS}
 
 
 def defaults() -> dict:
@@ -96,7 +98,7 @@ def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
     return {
         "prefetch_k1": {str(v): {"prefetch_k1": v} for v in k1},
         "prefetch_k": {f"{a}/{b}": {"prefetch_l1_k": a, "prefetch_l2_k": b} for a, b in pairs},
-        **{f: {str(v).lower(): {f: v} for v in (False, True)} for f in SINGLE},
+        **{f: {str(v).lower(): {f: v} for v in (False, True)} for f in FLAGS},
         "guided_from_bytes": {str(v): {"guided_from_bytes": v} for v in froms},
         "guided_min_bytes": {str(v): {"guided_min_bytes": v} for v in mins},
     }
@@ -300,7 +302,8 @@ def _label(cands: dict[str, dict], values: dict) -> str:
 def _stage_samplers(b: _Bench) -> dict[str, Callable[[], list[float]]]:
     """What each prefetch stage times: the kernels whose speed its values move."""
     return {"prefetch_k1": lambda: b.both(1), "prefetch_k": lambda: b.both(4),
-            **{f: (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for f, (fmt, k) in SINGLE.items()}}
+            **{f: (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for f, (fmt, k) in SINGLE.items()},
+            "prefetch_scales": lambda: [x + y for x, y in zip(b.both(1), b.both(4))]}
 
 
 def _threshold_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:

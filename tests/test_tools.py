@@ -1,6 +1,8 @@
-"""tools/reprice.py and tools/call_overhead.py, which the tuning diary's per-state costs and
-call costs come from: the rows are priced again from their own rounds, the error bands say
-which way each band misses, and the call timer compiles against the engine's pool and times."""
+"""tools/reprice.py, tools/call_overhead.py and tools/prefetch_states.py, which the tuning
+diary's per-state costs, call costs and prefetch distances come from: the rows are priced
+again from their own rounds, the error bands say which way each band misses, the call timer
+compiles against the engine's pool and times, and the prefetch probe bands steady rounds by
+their read ceiling and leaves the tuning as it found it."""
 import json
 import sys
 from pathlib import Path
@@ -12,6 +14,7 @@ from lab.kernels import Pool
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import call_overhead  # noqa: E402
+import prefetch_states as ps  # noqa: E402
 import reprice  # noqa: E402
 
 
@@ -59,3 +62,28 @@ def test_the_call_timer_times_the_engines_pool():
     pool = Pool(min(2, len(__import__("os").sched_getaffinity(0))))
     assert 0 < call_overhead.parallel_for_us(pool, 200, 0) < 1e4
     assert 0 < call_overhead.parallel_for_us(pool, 200, 64) < 1e4
+
+
+def test_prefetch_states_bands_steady_rounds_by_their_read():
+    r = lambda read, after, ms: {"read_before": read, "read_after": after, "ms": ms}
+    rounds = [r(40, 41, {8192: 20.0, 16384: 22.0}), r(42, 40, {8192: 21.0, 16384: 21.0}),
+              r(70, 72, {8192: 14.0, 16384: 12.6}), r(40, 70, {8192: 30.0, 16384: 10.0})]   # the last unsteady
+    slow, fast = ps.bands(rounds, [60.0], 8192, weight_bytes=10**9)
+    assert (slow["rounds"], fast["rounds"]) == (2, 1)
+    assert slow["values"][16384]["ratio"] == pytest.approx((1.1 + 1.0) / 2)
+    assert fast["values"][16384]["ratio"] == pytest.approx(0.9)
+    assert fast["values"][8192]["share"] == pytest.approx(1e9 / 0.014 / 1e9 / 71)
+
+
+def test_prefetch_states_times_each_value_and_restores_the_tuning():
+    from lab import tune
+    from lab.engine import Engine
+    from lab.models.export import engine_file
+    before = tune.current()
+    e = Engine(engine_file("tiny-qwen2"), threads=1, max_context=128)
+    rounds = ps.measure(e, "prefetch_k1", [4096, 8192], 2, 32, read_mb=8, progress=False)
+    assert tune.current() == before
+    assert [sorted(x["ms"]) for x in rounds] == [[4096, 8192]] * 2
+    assert sorted(ps.measure(e, "prefetch_scales", [False, True], 1, 32, read_mb=8, progress=False)[0]["ms"]) \
+        == [False, True]
+    assert all(x["read_before"] > 0 and all(v > 0 for v in x["ms"].values()) for x in rounds)
