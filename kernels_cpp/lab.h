@@ -90,8 +90,8 @@ struct Tuning {
     int prefetch_k1 = 8192;
     int prefetch_l1_k = 4096;
     int prefetch_l2_k = 16384;
-    // Whether the kernel asks for the scales region's stream as far ahead as for its bytes into
-    // L1 (else the hardware prefetcher alone fetches it).
+    // Whether it asks for the scales region's stream too, as many blocks ahead as for the
+    // bytes, into L1 (else the hardware prefetcher alone fetches it).
     bool prefetch_scales = true;
     // Whether 2, 3 or 4 tokens of a format take the single-token scheme (one token always does;
     // past four the arithmetic binds as much as the stream, and the k >= 2 scheme stays).
