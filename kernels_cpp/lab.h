@@ -85,12 +85,12 @@ constexpr int ATT_WINDOW_BLOCK = 32;
 // ----------------------------------------------------------------------------
 
 struct Tuning {
-    // The AVX-512 kernel asks for its weight stream this far ahead, in bytes of a 4-bit stream
+    // The SIMD kernels ask for their weight stream this far ahead, in bytes of a 4-bit stream
     // (an 8-bit one goes as many blocks ahead): one token into L1; k >= 2 into L1 and into L2.
     int prefetch_k1 = 8192;
     int prefetch_l1_k = 4096;
     int prefetch_l2_k = 16384;
-    // Whether it asks for the scales region's stream too, as many blocks ahead as for the
+    // Whether they ask for the scales region's stream too, as many blocks ahead as for the
     // bytes, into L1 (else the hardware prefetcher alone fetches it).
     bool prefetch_scales = true;
     // Whether 2, 3 or 4 tokens of a format take the single-token scheme (one token always does;

@@ -35,6 +35,55 @@ static void store_tile(const PackedMat& W, float* y, int64_t ldy, int tile, int 
 }
 
 // ============================================================================
+// How far ahead the SIMD kernels ask for their weight streams (Tuning, lab.h; the
+// measurements: docs/tuning.md). Distances are in bytes of a 4-bit stream (an 8-bit one goes
+// the same number of blocks, twice the bytes), one request per line. One token is bound by
+// the stream, so it asks prefetch_k1 ahead into L1 and nothing more: a further request into
+// L2 slowed it. Several tokens are bound by arithmetic as much as by the stream, and the
+// hardware prefetcher falls behind a stream read that slowly, so they ask into L2 far ahead
+// and into L1 near. The scales region, a second stream, goes as many blocks ahead as the bytes.
+// ============================================================================
+
+// Whether k tokens of a format take the single-token scheme: one token, and two to four
+// tokens where the stream still binds them, as Tuning says per format and k (measured per machine).
+static inline bool stream_bound(int fmt, int k, const Tuning& tn) {
+    const bool q4 = fmt == FMT_Q4;
+    switch (k) {
+        case 1: return true;
+        case 2: return q4 ? tn.q4_single_k2 : tn.q8_single_k2;
+        case 3: return q4 ? tn.q4_single_k3 : tn.q8_single_k3;
+        case 4: return q4 ? tn.q4_single_k4 : tn.q8_single_k4;
+        default: return false;
+    }
+}
+
+// A cache line of scales serves this many blocks of a tile.
+constexpr int BLOCKS_PER_SCALE_LINE = 64 / (TILE * 2);
+
+// One kernel call's requests ahead, in bytes from a block's first byte and first scale.
+struct StreamAhead {
+    int64_t l1 = 0, l2 = 0, scales = 0;    // l2, scales: 0 for none
+
+    StreamAhead(int fmt, bool single, const Tuning& tn) {
+        const int ch = block_chunks(fmt);
+        l1 = (int64_t)(single ? tn.prefetch_k1 : tn.prefetch_l1_k) * ch / 4;
+        l2 = single ? 0 : (int64_t)tn.prefetch_l2_k * ch / 4;
+        scales = tn.prefetch_scales ? l1 / (ch * CHUNK) * TILE * 2 : 0;   // a block's scales: TILE fp16
+    }
+
+    // Block b's requests: its CH chunks' lines `l1` (and `l2`) ahead, and every
+    // BLOCKS_PER_SCALE_LINE blocks the scales' line.
+    // always inlined: a call would make the kernel spill its vector registers around it
+    template <int CH>
+    __attribute__((always_inline)) inline void block(const uint8_t* qb, const uint16_t* db, int b) const {
+        for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + l1 + g * CHUNK), _MM_HINT_T0);
+        if (l2)
+            for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + l2 + g * CHUNK), _MM_HINT_T2);
+        if (scales && b % BLOCKS_PER_SCALE_LINE == 0) _mm_prefetch((const char*)db + scales, _MM_HINT_T0);
+    }
+};
+
+// ============================================================================
 // Scalar reference (reads the same packed tiles as the SIMD kernels)
 // ============================================================================
 
@@ -150,27 +199,6 @@ struct Dot {
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")
 namespace avx512 {
 
-// How far ahead a thread asks for its weight stream (tiles are contiguous) is a Tuning value
-// (lab.h), in bytes of a 4-bit stream (an 8-bit one goes the same number of blocks, twice the
-// bytes), one request per line. One token is bound by the stream, so it asks prefetch_k1 ahead
-// into L1 and nothing more: a further request into L2 slowed it. Several tokens are bound by
-// arithmetic as much as by the stream, and the hardware prefetcher falls behind a stream read
-// that slowly, so they ask into L2 far ahead and into L1 near. Measurements: docs/tuning.md.
-// A cache line of scales serves this many blocks of a tile.
-constexpr int BLOCKS_PER_SCALE_LINE = 64 / (TILE * 2);
-// Which kernels take the single-token scheme: one token, and two to four tokens where the
-// stream still binds them, as Tuning says per format and k (measured per machine).
-static inline bool stream_bound(int fmt, int k, const Tuning& tn) {
-    const bool q4 = fmt == FMT_Q4;
-    switch (k) {
-        case 1: return true;
-        case 2: return q4 ? tn.q4_single_k2 : tn.q8_single_k2;
-        case 3: return q4 ? tn.q4_single_k3 : tn.q8_single_k3;
-        case 4: return q4 ? tn.q4_single_k4 : tn.q8_single_k4;
-        default: return false;
-    }
-}
-
 // s + w . (the 4 activation bytes at a, in every lane), the bytes broadcast by the
 // instruction's own memory operand: no separate broadcast to issue per token and block.
 static inline __m512i dpbusd_bcst(__m512i s, __m512i w, const int8_t* a) {
@@ -187,12 +215,10 @@ static inline __m512i dpbusd_bcst(__m512i s, __m512i w, const int8_t* a) {
 constexpr bool through_memory(int fmt, int k) { return k == 2 || (fmt == FMT_Q8 && k == 4); }
 
 // One tile's rows for the G tokens from `tok0` on, every block in order, in a pass of K
-// tokens in all. SINGLE: the single-token prefetch scheme; only the first group of a tile
-// asks for the stream ahead (PREFETCH_AHEAD), `ahead` bytes into L1 and `ahead_l2` into L2,
-// and the scales `ahead_d` bytes ahead into L1 (none when 0).
-template <int FMT, int G, int K, bool SINGLE, bool PREFETCH_AHEAD>
+// tokens in all. Only the first group of a tile asks for the streams ahead (PREFETCH_AHEAD).
+template <int FMT, int G, int K, bool PREFETCH_AHEAD>
 static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int tok0, float (*acc)[TILE],
-                             int64_t ahead, int64_t ahead_l2, int64_t ahead_d) {
+                             const StreamAhead& ahead) {
     const int nb = W.cols / QK;
     constexpr int CH = block_chunks(FMT);
     const __m512i nib = _mm512_set1_epi8(0x0f);
@@ -205,12 +231,7 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
         const TileOffsets at = tile_offsets(FMT, nb, 0, b);     // from the tile's start
         const uint8_t* qb = qt + at.q;
         // the weights stream from memory once: ask for them well before they are needed
-        if (PREFETCH_AHEAD) {
-            for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + ahead + g * CHUNK), _MM_HINT_T0);
-            if (!SINGLE)
-                for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + ahead_l2 + g * CHUNK), _MM_HINT_T2);
-            if (ahead_d && b % BLOCKS_PER_SCALE_LINE == 0) _mm_prefetch((const char*)(dt + at.d) + ahead_d, _MM_HINT_T0);
-        }
+        if (PREFETCH_AHEAD) ahead.block<CH>(qb, dt + at.d, b);
         const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(dt + at.d)));
         __m512i w[8];                                   // w[j] meets activation bytes 4j..4j+3
         for (int g = 0; g < CH; g++) {
@@ -244,37 +265,29 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
 // More than 8 tokens take a tile in two groups, the second reading the tile's weights again
 // from cache, because in one group up to 16 accumulators beside a block's 8 weight registers
 // crowd the 32 registers and the compiler spills them (docs/tuning.md).
-template <int FMT, int K, bool SINGLE>
+template <int FMT, int K>
 static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1, const Tuning& tn) {
     constexpr int G1 = K <= 8 ? K : (K + 1) / 2, G2 = K - G1;
-    constexpr int CH = block_chunks(FMT);
-    const int64_t ahead = (int64_t)(SINGLE ? tn.prefetch_k1 : tn.prefetch_l1_k) * CH / 4;
-    const int64_t ahead_l2 = (int64_t)tn.prefetch_l2_k * CH / 4;
-    // the scales as many blocks ahead as the bytes into L1: a block's scales are TILE fp16 values
-    const int64_t ahead_d = tn.prefetch_scales ? ahead / (CH * CHUNK) * TILE * 2 : 0;
+    const StreamAhead ahead(FMT, stream_bound(FMT, K, tn), tn);
     alignas(64) float acc[K][TILE];
     for (int tile = t0; tile < t1; tile++) {
-        tile_pass<FMT, G1, K, SINGLE, true>(W, A, tile, 0, acc, ahead, ahead_l2, ahead_d);
-        if constexpr (G2 > 0)
-            tile_pass<FMT, G2, K, SINGLE, false>(W, A, tile, G1, acc + G1, ahead, ahead_l2, ahead_d);
+        tile_pass<FMT, G1, K, true>(W, A, tile, 0, acc, ahead);
+        if constexpr (G2 > 0) tile_pass<FMT, G2, K, false>(W, A, tile, G1, acc + G1, ahead);
         store_tile(W, y, ldy, tile, K, acc);
     }
 }
 
 using TunedFn = void (*)(const PackedMat&, const QActs&, float*, int64_t, int, int, const Tuning&);
 
-template <int FMT, bool SINGLE, int... I>
+template <int FMT, int... I>
 constexpr std::array<TunedFn, sizeof...(I)> by_k(std::integer_sequence<int, I...>) {
-    return {tiles_k<FMT, I + 1, SINGLE>...};
+    return {tiles_k<FMT, I + 1>...};
 }
 
 template <int FMT>
 static void tiles(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1) {
-    static constexpr auto apart = by_k<FMT, false>(std::make_integer_sequence<int, MAX_K>{});
-    static constexpr auto single = by_k<FMT, true>(std::make_integer_sequence<int, MAX_K>{});
-    const Tuning tn = tuning();
-    const int k = A.k();
-    (stream_bound(FMT, k, tn) ? single : apart)[k - 1](W, A, y, ldy, t0, t1, tn);
+    static constexpr auto by_tokens = by_k<FMT>(std::make_integer_sequence<int, MAX_K>{});
+    by_tokens[A.k() - 1](W, A, y, ldy, t0, t1, tuning());
 }
 
 }  // namespace avx512

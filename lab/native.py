@@ -39,7 +39,7 @@ def cache_dir() -> Path:
 
 
 def flags() -> list[str]:
-    """The build flags; LAB_PREFETCH=<bytes> overrides the AVX-512 kernel's single-token
+    """The build flags; LAB_PREFETCH=<bytes> overrides the SIMD kernels' single-token
     prefetch distance in a 4-bit stream (8192; twice that in an 8-bit one), for sweeps: each
     value is its own cached build."""
     v = os.environ.get("LAB_PREFETCH")

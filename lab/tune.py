@@ -1,8 +1,8 @@
 """Tuning by measurement: the engine's speed-only choices, timed on this machine.
 
-The choices (the C++ `Tuning`, kernels_cpp/lab.h): the AVX-512 kernel's prefetch distances for
+The choices (the C++ `Tuning`, kernels_cpp/lab.h): the SIMD kernels' prefetch distances for
 one token and for k >= 2, whether 2, 3 and 4 tokens take the single-token scheme (per format),
-whether it prefetches the scales region too, the matrix size from which the matmul split turns
+whether they prefetch the scales region too, the matrix size from which the matmul split turns
 from static halves to guided shares, and the guided split's smallest share (both judged on
 quiet cores and with one core shared with a co-runner, lab.slowcore, keeping the value that
 holds up on both). None of them
@@ -370,7 +370,7 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
     start = time.perf_counter()
     b = _Bench(mb, reps, threads)
     base, stages = defaults(), candidates()
-    prefetching, split = b.path_name == "avx512vnni", b.pool.threads > 1   # what this path and pool can move
+    prefetching, split = b.path_name != "scalar", b.pool.threads > 1   # what this path and pool can move
     run = [s for s in stages if (split if s.startswith("guided") else prefetching)]
     measured, chosen, confirmed = {}, {}, {}
     read_before = b.read_gbps()
