@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from .machine import machine
-from .protocol import fill, flat, forward_samples, interleave, paired_ratio
+from .protocol import fill, flat, forward_samples, interleave, paired_ratio, read_buffer, read_sampler
+
+READ_MB = 256       # the buffer the read ceiling is sampled over, past the last-level cache
 
 
 def vk_bench(target, drafts: dict, contexts=None, ks=tuple(range(1, 17)), rounds: int = 5,
@@ -13,13 +15,24 @@ def vk_bench(target, drafts: dict, contexts=None, ks=tuple(range(1, 17)), rounds
     """v(k) = one target pass over k tokens / one single-token pass, k values interleaved, at
     each context; c = one draft step / one target step at the same context, for each of
     `drafts` (format -> Engine); o = a round's overhead (sampling, acceptance) / one target
-    step, with the first draft (prompt lookup if none). contexts: the policy's by default."""
+    step, with the first draft (prompt lookup if none). contexts: the policy's by default.
+    Each context's records carry the read ceiling sampled just before and after them
+    (read_gbps_before, read_gbps_after): the bus can change state between contexts, and v(k)
+    differs between states."""
     from .policy import CONTEXTS
     it = contexts = CONTEXTS if contexts is None else contexts
     if progress:
         from tqdm.auto import tqdm
         it = tqdm(contexts, desc="v(k)", unit="context")
-    records = [r for ctx in it for r in records_at(target, drafts, ctx, ks, rounds, reps)]
+    buf, _owner = read_buffer(READ_MB << 20)
+    read = read_sampler(buf, target.pool)
+
+    def at(ctx: int) -> list[dict]:
+        before = float(np.median(read()))
+        recs = records_at(target, drafts, ctx, ks, rounds, reps)
+        after = float(np.median(read()))
+        return [{**r, "read_gbps_before": before, "read_gbps_after": after} for r in recs]
+    records = [r for ctx in it for r in at(ctx)]
     o = overhead(target, next(iter(drafts.values()), None))
     return {"machine": machine(), "threads": target.pool.threads, "records": records, "o": o["o_greedy"],
             "overhead": o}

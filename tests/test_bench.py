@@ -134,6 +134,15 @@ def test_gamma_bench_predicts_every_group_drafter_and_gamma(pair):
     assert all(r["predicted"] > 0 and r["measured"] > 0 for r in g["table"])
 
 
+def test_vk_bench_reads_the_ceiling_beside_each_context(pair):
+    """Each context's records say which bandwidth state they were measured in."""
+    from lab.costs import vk_bench
+    t, d = pair
+    r = vk_bench(t, {"q4-q8out": d}, (16, 32), (1, 2), rounds=1, reps=1)
+    assert {(x["kind"], x["context"]) for x in r["records"]} == {(k, c) for k in ("v", "c") for c in (16, 32)}
+    assert all(x["read_gbps_before"] > 0 and x["read_gbps_after"] > 0 for x in r["records"])
+
+
 def test_checked_runs_stop_on_a_speculative_output_that_differs(pair):
     """The speed-up benches refuse a speculative run whose greedy output is not plain's, with
     the project's mismatch error, whichever bench asked."""
