@@ -357,9 +357,8 @@ def _print_vk(r: dict) -> None:
     print(f"target {r['target']}, draft {r['draft']}, {r['format']}, {r['threads']} threads")
     for ctx in sorted({x["context"] for x in r["records"]}):
         vs = [x for x in r["records"] if x["context"] == ctx and x["kind"] == "v"]
-        read = f" (read ceiling {vs[0]['read_gbps_before']:.0f} GB/s before, {vs[0]['read_gbps_after']:.0f} after)" \
-            if vs and "read_gbps_before" in vs[0] else ""
-        print(f"context {ctx}{read}: " + " ".join(f"v({x['k']})={x['v']:.2f}" for x in vs))
+        read = f"read ceiling {vs[0]['read_gbps_before']:.0f} GB/s before, {vs[0]['read_gbps_after']:.0f} after"
+        print(f"context {ctx} ({read}): " + " ".join(f"v({x['k']})={x['v']:.2f}" for x in vs))
         for x in r["records"]:
             if x["context"] == ctx and x["kind"] == "c":
                 print(f"  c({x['format']}) = {x['c']:.3f} (IQR {x['c_iqr']:.3f})")

@@ -22,12 +22,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lab import tune  # noqa: E402
+from lab.costs import READ_MB  # noqa: E402
 from lab.engine import Engine  # noqa: E402
 from lab.models.export import engine_file  # noqa: E402
 from lab.protocol import fill, forward_samples, read_buffer, read_sampler  # noqa: E402
 
 STEADY = 0.15
-READ_MB = 256
 
 
 def measure(engine, field: str, values: list, rounds: int, context: int, k: int = 1, read_mb: int = READ_MB,
