@@ -9,7 +9,7 @@ STEADY fall in the band of their read; per band: each value's median ms, its med
 per-round ratio to the engine's default, and the pass's share of the read ceiling.
 
     .venv/bin/python tools/prefetch_states.py [--field prefetch_k1 --values 4096,8192,16384]
-        [--rounds 120] [--bands 45,60] [--json]
+        [--rounds 120] [--bands 45,60] [--base prefetch_scales=false] [--json]
 """
 from __future__ import annotations
 
@@ -31,13 +31,15 @@ STEADY = 0.15
 
 
 def measure(engine, field: str, values: list, rounds: int, context: int, k: int = 1, read_mb: int = READ_MB,
-            progress: bool = True) -> list[dict]:
-    """Per round: the read ceiling before and after (GB/s) and each value's ms a pass."""
+            progress: bool = True, base: dict | None = None) -> list[dict]:
+    """Per round: the read ceiling before and after (GB/s) and each value's ms a pass; the
+    other fields as now, or as `base` says."""
     from tqdm import tqdm
     buf, _owner = read_buffer(read_mb << 20)
     read = read_sampler(buf, engine.pool)
     tokens = fill(engine, context)[-k:].astype(np.int32)
-    base, out = tune.current(), []
+    base, out = {**tune.current(), **(base or {})}, []
+    restore = tune.current()
     try:
         for r in tqdm(range(rounds), desc="prefetch states", unit="round", disable=not progress, file=sys.stderr):
             before, ms = float(np.median(read())), {}
@@ -46,7 +48,7 @@ def measure(engine, field: str, values: list, rounds: int, context: int, k: int 
                 ms[v] = float(np.median(forward_samples(engine, tokens, context, 5))) * 1e3
             out.append({"read_before": before, "read_after": float(np.median(read())), "ms": ms})
     finally:
-        tune.apply(base)
+        tune.apply(restore)
     return out
 
 
@@ -68,6 +70,13 @@ def bands(rounds: list[dict], edges: list[float], default: int, weight_bytes: in
     return out
 
 
+def parse_value(field: str, text: str):
+    """A field's value from its text: false/true for a yes/no field, else a whole number."""
+    if field not in tune.FIELDS:
+        raise KeyError(field)
+    return {"false": False, "true": True}[text] if field in tune.FLAGS else int(text)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen2.5-coder-1.5b")
@@ -79,33 +88,37 @@ def main(argv=None) -> int:
                    "(whole numbers, or false,true for a yes/no field); its default is always timed")
     p.add_argument("--rounds", type=int, default=120)
     p.add_argument("--bands", default="45,60", help="read GB/s where one band ends and the next begins")
+    p.add_argument("--base", default="", help="other fields' values for the sweep, e.g. prefetch_scales=false")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
     if a.field not in tune.FIELDS:
         raise SystemExit(f"--field: one of {', '.join(tune.FIELDS)}")
-    flag = a.field in tune.FLAGS
     try:
-        values = [{"false": False, "true": True}[x] if flag else int(x) for x in a.values.split(",")]
+        values = [parse_value(a.field, x) for x in a.values.split(",")]
         edges = sorted(float(x) for x in a.bands.split(",") if x)
     except (KeyError, ValueError):
         raise SystemExit("--values: whole numbers (false,true for a yes/no field), comma-separated; "
                          "--bands: GB/s, comma-separated") from None
+    try:
+        base = {f: parse_value(f, v) for f, v in (x.split("=", 1) for x in a.base.split(",") if x)}
+    except (KeyError, ValueError):
+        raise SystemExit("--base: field=value pairs, comma-separated, of the fields in lab.tune.FIELDS") from None
     default = tune.defaults()[a.field]
     values = sorted({*values, default})
     if a.rounds < 1 or a.context < 1 or not 1 <= a.k <= a.context:
         raise SystemExit("--rounds and --context: positive numbers; --k: from 1 to the context")
     e = Engine(engine_file(a.model, a.scheme), threads=a.threads, max_context=a.context + 64)
-    base = tune.current()
+    now = tune.current()
     try:
         for v in values:
-            tune.apply({**base, a.field: v})
+            tune.apply({**now, **base, a.field: v})
     except ValueError as err:
-        raise SystemExit(f"--values: {err}") from None
+        raise SystemExit(f"--values, --base: {err}") from None
     finally:
-        tune.apply(base)
-    rounds = measure(e, a.field, values, a.rounds, a.context, a.k)
-    res = {"model": a.model, "scheme": a.scheme, "context": a.context, "k": a.k, "threads": e.pool.threads,
+        tune.apply(now)
+    rounds = measure(e, a.field, values, a.rounds, a.context, a.k, base=base)
+    res = {"base": base, "model": a.model, "scheme": a.scheme, "context": a.context, "k": a.k, "threads": e.pool.threads,
            "field": a.field, "default": default, "bands": bands(rounds, edges, default, e.weight_bytes), "rounds": rounds}
     if a.json:
         print(json.dumps(res, indent=1))

@@ -34,9 +34,15 @@ static const Loop loops[] = {
     LOOP("  + 3 vpandd", REG THREE("vpandd %%zmm29, %%zmm28, %%zmm")),
     LOOP("  + 3 vpsrlw", REG THREE("vpsrlw $4, %%zmm29, %%zmm")),
     LOOP("  + 3 zmm loads", REG THREE("vmovdqu64 (%0), %%zmm")),
+    LOOP("  + 3 vpshufd", REG THREE("vpshufd $0x55, %%zmm29, %%zmm")),
+    LOOP("  + 3 vpermd", REG THREE("vpermd %%zmm29, %%zmm28, %%zmm")),
+    LOOP("  + 3 vpbroadcastd from xmm", REG THREE("vpbroadcastd %%xmm29, %%zmm")),
+    LOOP("  + 3 vbroadcasti32x4 loads", REG THREE("vbroadcasti32x4 (%0), %%zmm")),
+    LOOP("  + 3 vpbroadcastd loads", REG THREE("vpbroadcastd (%0), %%zmm")),
     LOOP("12 vpdpbusd, broadcast operand", BCST),
     LOOP("  + 3 zmm loads", BCST THREE("vmovdqu64 (%0), %%zmm")),
     LOOP("  + 3 vpbroadcastd loads", BCST THREE("vpbroadcastd (%0), %%zmm")),
+    LOOP("  + 3 vpshufd", BCST THREE("vpshufd $0x55, %%zmm29, %%zmm")),
     LOOP("  + 3 general-register loads", BCST "mov (%0), %%r8\n mov 8(%0), %%r9\n mov 16(%0), %%r10\n"),
 };
 
