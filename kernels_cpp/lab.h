@@ -91,8 +91,9 @@ struct Tuning {
     int prefetch_l1_k = 4096;
     int prefetch_l2_k = 16384;
     // Whether they ask for the scales region's stream too, as many blocks ahead as for the
-    // bytes, into L1 (else the hardware prefetcher alone fetches it).
-    bool prefetch_scales = true;
+    // bytes (else the hardware prefetcher alone fetches it); into L2 rather than L1 where
+    // the L1 requests cost a one-token pass more than they bring.
+    bool prefetch_scales = true, scales_into_l2 = false;
     // Whether 2, 3 or 4 tokens of a format take the single-token scheme (one token always does;
     // past four the arithmetic binds as much as the stream, and the k >= 2 scheme stays).
     bool q4_single_k2 = false, q4_single_k3 = false, q4_single_k4 = false;

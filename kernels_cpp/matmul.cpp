@@ -63,12 +63,14 @@ constexpr int BLOCKS_PER_SCALE_LINE = 64 / (TILE * 2);
 // One kernel call's requests ahead, in bytes from a block's first byte and first scale.
 struct StreamAhead {
     int64_t l1 = 0, l2 = 0, scales = 0;    // l2, scales: 0 for none
+    bool scales_l2 = false;                // the scales' line into L2, not L1
 
     StreamAhead(int fmt, bool single, const Tuning& tn) {
         const int ch = block_chunks(fmt);
         l1 = (int64_t)(single ? tn.prefetch_k1 : tn.prefetch_l1_k) * ch / 4;
         l2 = single ? 0 : (int64_t)tn.prefetch_l2_k * ch / 4;
         scales = tn.prefetch_scales ? l1 / (ch * CHUNK) * TILE * 2 : 0;   // a block's scales: TILE fp16
+        scales_l2 = tn.scales_into_l2;
     }
 
     // Block b's requests: its CH chunks' lines `l1` (and `l2`) ahead, and every
@@ -79,7 +81,10 @@ struct StreamAhead {
         for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + l1 + g * CHUNK), _MM_HINT_T0);
         if (l2)
             for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + l2 + g * CHUNK), _MM_HINT_T2);
-        if (scales && b % BLOCKS_PER_SCALE_LINE == 0) _mm_prefetch((const char*)db + scales, _MM_HINT_T0);
+        if (scales && b % BLOCKS_PER_SCALE_LINE == 0) {
+            if (scales_l2) _mm_prefetch((const char*)db + scales, _MM_HINT_T1);
+            else _mm_prefetch((const char*)db + scales, _MM_HINT_T0);
+        }
     }
 };
 

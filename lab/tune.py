@@ -37,7 +37,8 @@ from .slowcore import SlowCore
 
 SINGLE_K = (2, 3, 4)     # the token counts whose prefetch scheme is chosen, per format
 SINGLE = {f"{fmt}_single_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in SINGLE_K}   # field -> what it moves
-FLAGS = (*SINGLE, "prefetch_scales")      # the yes/no fields
+SCALES = ("prefetch_scales", "scales_into_l2")   # one stage: no request, into L1, into L2
+FLAGS = (*SINGLE, *SCALES)      # the yes/no fields
 FIELDS = ("prefetch_k1", "prefetch_l1_k", "prefetch_l2_k", *FLAGS, "guided_min_bytes", "guided_from_bytes")
 MB = 1 << 20
 # What the tuner tries besides the default (which it always tries).
@@ -51,6 +52,8 @@ MARGIN = 0.98           # a candidate replaces the default at a median paired ti
                         # and only if it was faster in three rounds of four (upper quartile < 1)
                         # when timed alone against it; the first timing, of every candidate, only
                         # nominates the one with the lowest median, if that is this low
+AGAIN = 2               # the head-to-head timing's rounds, in multiples of the first's: two candidates
+                        # cost less a round, and a 2-3% difference needs the rounds on a shared bus
 CACHE_FORMAT = 1
 COLS = 2048             # the tuner's matrices: about a Qwen hidden size, so tiles are model-sized
 SLOW_DUTY = 0.5         # the split is judged with one core this busy with other work as well
@@ -100,7 +103,10 @@ def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
     return {
         "prefetch_k1": {str(v): {"prefetch_k1": v} for v in k1},
         "prefetch_k": {f"{a}/{b}": {"prefetch_l1_k": a, "prefetch_l2_k": b} for a, b in pairs},
-        **{f: {str(v).lower(): {f: v} for v in (False, True)} for f in FLAGS},
+        **{f: {str(v).lower(): {f: v} for v in (False, True)} for f in SINGLE},
+        "prefetch_scales": {"none": {"prefetch_scales": False, "scales_into_l2": False},
+                            "l1": {"prefetch_scales": True, "scales_into_l2": False},
+                            "l2": {"prefetch_scales": True, "scales_into_l2": True}},
         "guided_from_bytes": {str(v): {"guided_from_bytes": v} for v in froms},
         "guided_min_bytes": {str(v): {"guided_min_bytes": v} for v in mins},
     }
@@ -278,10 +284,13 @@ class _Bench:
 
 
 def _per_round(cands: dict[str, Callable[[], list[float]]], rounds: int, bar) -> dict[str, list[float]]:
-    """Each candidate's median seconds per round, candidates interleaved within each round."""
+    """Each candidate's median seconds per round, candidates interleaved within each round, in
+    reverse order every other round so that going first or last favours none of them."""
     out: dict[str, list[float]] = {name: [] for name in cands}
-    for _ in range(rounds):
-        for name, secs in interleave(cands, 1).items():
+    names = list(cands)
+    for r in range(rounds):
+        order = names if r % 2 == 0 else names[::-1]
+        for name, secs in interleave({n: cands[n] for n in order}, 1).items():
             out[name].append(float(np.median(secs[0])))
         bar.update()
     return out
@@ -373,7 +382,7 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
     """Measures every stage's candidates on this machine and returns the values chosen, with each
     candidate's median time ratio to the default; the values in force are left as they were.
     The candidate with the lowest median ratio, if MARGIN or lower, is timed against the default
-    once more, alone, and kept only if it clearly wins there. mb: each matrix's size (past the last-level cache: the weights stream from memory)."""
+    once more, alone, for AGAIN times the rounds, and kept only if it clearly wins there. mb: each matrix's size (past the last-level cache: the weights stream from memory)."""
     from tqdm import tqdm
     before = current()                          # builds the library first, if it must
     start = time.perf_counter()
@@ -391,9 +400,9 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
                 _, measured[stage] = _pick(_times(stage, cands, b, base, rounds, bar), default)
                 chosen[stage] = _nominee(measured[stage], default)
                 if chosen[stage] != default:
-                    bar.total += _bar_rounds(stage, rounds)       # a winner is timed once more
+                    bar.total += _bar_rounds(stage, AGAIN * rounds)       # a nominee is timed once more
                     pair = {n: cands[n] for n in (default, chosen[stage])}
-                    again, ratios = _pick(_times(stage, pair, b, base, rounds, bar), default)
+                    again, ratios = _pick(_times(stage, pair, b, base, AGAIN * rounds, bar), default)
                     confirmed[stage] = {"candidate": chosen[stage], **ratios[chosen[stage]]}
                     chosen[stage] = again
                 base.update(cands[chosen[stage]])

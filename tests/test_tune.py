@@ -147,7 +147,7 @@ def test_tune_on_a_small_working_set_picks_from_the_candidates(restore, capsys):
     r = tune.tune(progress=True, mb=8, rounds=2, reps=1)
     bars = re.findall(r"(\d+)/(\d+) \[", capsys.readouterr().err)
     (done, total), first = map(int, bars[-1]), int(bars[0][1])
-    assert done == total == first + sum(tune._bar_rounds(s, 2) for s in r["confirmed"])   # known up front
+    assert done == total == first + sum(tune._bar_rounds(s, tune.AGAIN * 2) for s in r["confirmed"])   # known up front
     assert tune.current() == before                       # measuring changes nothing in force
     stages = tune.candidates()
     assert set(r["chosen"]) <= set(stages)
@@ -201,6 +201,14 @@ def test_a_noisy_winner_is_timed_again_and_kept_if_it_wins_clearly(restore, monk
         assert label == noisy and r["confirmed"][stage]["candidate"] == noisy
     assert len(timings) == 2 * len(r["chosen"]) and all(n == 2 for _, n in timings[1::2])
     assert tune._nominee({"a": {"ratio": 1.0}, "b": {"ratio": 0.99}}, "a") == "a"
+
+
+def test_each_round_reverses_the_order_the_candidates_run_in():
+    calls = []
+    cands = {n: (lambda n=n: calls.append(n) or [1.0]) for n in ("a", "b", "c")}
+    bar = type("Bar", (), {"update": lambda self: None})()
+    assert tune._per_round(cands, 3, bar) == {n: [1.0] * 3 for n in cands}
+    assert "".join(calls) == "abccbaabc"
 
 
 def test_loading_the_library_applies_the_cache_without_the_suite_s_lab_tune_0():
