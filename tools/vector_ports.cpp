@@ -1,7 +1,7 @@
 // vector_ports.cpp — which instructions share vpdpbusd's issue slots on this core: each loop
 // issues 12 independent vpdpbusd (zmm) and, beside them, three of one other instruction; a
 // loop slower than the first says the extra instructions take slots vpdpbusd needs.
-// docs/tuning.md ("The k-token kernel's loads") has a Zen 5's answers.
+// docs/tuning.md has a Zen 5's answers ("The k-token kernel's loads") and a Zen 4's ("A Zen 4: ...").
 //   g++ -O2 -mavx512f -mavx512bw -mavx512vnni tools/vector_ports.cpp -o /tmp/ports && /tmp/ports
 #include <algorithm>
 #include <chrono>
