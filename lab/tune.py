@@ -18,6 +18,7 @@ cached (`ensure`), `lab tune` measures again; LAB_TUNE=0 keeps the defaults.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import fcntl
 import hashlib
@@ -239,7 +240,8 @@ class _Bench:
         self.mb, self._read = mb, None
         self.path = int(ns.active_path())
         self.path_name = str(ns.path_name(self.path))
-        self.pool = kernels.Pool(threads)
+        self.pool = self.matmul_pool = kernels.Pool(threads)
+        self.one = kernels.Pool(1) if self.pool.threads > 1 else self.pool
         self.reps = reps
         self.guided = int(ns.SPLIT_GUIDED)
         self.W, self.acts = {}, {}
@@ -253,8 +255,17 @@ class _Bench:
             self.acts[k] = kernels.Acts(x, self.path_name)
 
     def matmul(self, fmt: str, k: int) -> list[float]:
-        """Seconds per pass over the whole matrix, split the engine's way."""
-        return matmul_samples(self.W[fmt], self.acts[k], self.pool, self.path, self.guided, self.reps)
+        """Seconds per pass over the whole matrix, split the engine's way over `matmul_pool`."""
+        return matmul_samples(self.W[fmt], self.acts[k], self.matmul_pool, self.path, self.guided, self.reps)
+
+    @contextlib.contextmanager
+    def one_thread(self):
+        """Matrix products on one thread meanwhile."""
+        self.matmul_pool = self.one
+        try:
+            yield
+        finally:
+            self.matmul_pool = self.pool
 
     def read_gbps(self) -> float:
         """The read ceiling now, over a buffer as large as a matrix: which bandwidth state this is.
@@ -321,7 +332,7 @@ def _stage_samplers(b: _Bench) -> dict[str, Callable[[], list[float]]]:
     """What each prefetch stage times: the kernels whose speed its values move."""
     return {"prefetch_k1": lambda: b.both(1), "prefetch_k": lambda: b.both(4),
             **{f: (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for f, (fmt, k) in SINGLE.items()},
-            "prefetch_scales": lambda: [x + y for x, y in zip(b.both(1), b.both(4))]}
+            "prefetch_scales": lambda: b.both(1)}     # where the stream binds most: decode
 
 
 def _threshold_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
@@ -357,16 +368,25 @@ def _held_up(timer, b: _Bench, base: dict, cands: dict[str, dict], rounds: int, 
     quiet = timer(b, base, cands, rounds, bar)
     with SlowCore(b.pool.cpus[-1], SLOW_DUTY):
         slowed = timer(b, base, cands, rounds, bar)
-    return {n: [max(quiet[n][r] / quiet[default][r], slowed[n][r] / slowed[default][r]) for r in range(rounds)]
-            for n in cands}
+    return _worse_of([quiet, slowed], default)
 
 
 SPLIT_TIMERS = {"guided_from_bytes": _threshold_times, "guided_min_bytes": _share_times}   # timed twice: _held_up
+# The single-token stream's stages, timed on every thread and again on one, each round's ratio the
+# worse of the two: where the threads do not share one link to memory, as when a hypervisor
+# puts two vCPUs on different dies, each core's own memory parallelism binds (docs/tuning.md).
+ONE_THREAD = ("prefetch_k1", "prefetch_scales")
 
 
-def _bar_rounds(stage: str, rounds: int) -> int:
-    """The progress bar's rounds for one timing of a stage's candidates."""
-    return rounds * (2 if stage in SPLIT_TIMERS else 1)
+def _worse_of(timings: list[dict[str, list[float]]], default: str) -> dict[str, list[float]]:
+    """Per candidate and round, the largest of its time ratios to the default over the timings."""
+    return {n: [max(t[n][r] / t[default][r] for t in timings) for r in range(len(timings[0][n]))]
+            for n in timings[0]}
+
+
+def _bar_rounds(stage: str, rounds: int, threads: int = 1) -> int:
+    """The progress bar's rounds for one timing of a stage's candidates on `threads` threads."""
+    return rounds * (2 if stage in SPLIT_TIMERS or (stage in ONE_THREAD and threads > 1) else 1)
 
 
 def _times(stage: str, cands: dict[str, dict], b: _Bench, base: dict, rounds: int, bar) -> dict[str, list[float]]:
@@ -374,7 +394,12 @@ def _times(stage: str, cands: dict[str, dict], b: _Bench, base: dict, rounds: in
         return _held_up(SPLIT_TIMERS[stage], b, base, cands, rounds, bar)
     sample = _stage_samplers(b)[stage]
     fns = {n: (lambda sets=sets: (apply({**base, **sets}), sample())[1]) for n, sets in cands.items()}
-    return _per_round(fns, rounds, bar)
+    if stage not in ONE_THREAD or b.pool.threads == 1:
+        return _per_round(fns, rounds, bar)
+    every = _per_round(fns, rounds, bar)
+    with b.one_thread():
+        one = _per_round(fns, rounds, bar)
+    return _worse_of([every, one], _label(cands, base))
 
 
 def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
@@ -393,14 +418,14 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
     measured, chosen, confirmed = {}, {}, {}
     read_before = b.read_gbps()
     try:
-        with tqdm(total=sum(_bar_rounds(s, rounds) for s in run), desc="lab tune", unit="round",
+        with tqdm(total=sum(_bar_rounds(s, rounds, b.pool.threads) for s in run), desc="lab tune", unit="round",
                   disable=not progress, file=sys.stderr) as bar:
             for stage in run:
                 cands, default = stages[stage], _label(stages[stage], base)
                 _, measured[stage] = _pick(_times(stage, cands, b, base, rounds, bar), default)
                 chosen[stage] = _nominee(measured[stage], default)
                 if chosen[stage] != default:
-                    bar.total += _bar_rounds(stage, AGAIN * rounds)       # a nominee is timed once more
+                    bar.total += _bar_rounds(stage, AGAIN * rounds, b.pool.threads)   # a nominee is timed once more
                     pair = {n: cands[n] for n in (default, chosen[stage])}
                     again, ratios = _pick(_times(stage, pair, b, base, AGAIN * rounds, bar), default)
                     confirmed[stage] = {"candidate": chosen[stage], **ratios[chosen[stage]]}

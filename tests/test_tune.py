@@ -147,7 +147,7 @@ def test_tune_on_a_small_working_set_picks_from_the_candidates(restore, capsys):
     r = tune.tune(progress=True, mb=8, rounds=2, reps=1)
     bars = re.findall(r"(\d+)/(\d+) \[", capsys.readouterr().err)
     (done, total), first = map(int, bars[-1]), int(bars[0][1])
-    assert done == total == first + sum(tune._bar_rounds(s, tune.AGAIN * 2) for s in r["confirmed"])   # known up front
+    assert done == total == first + sum(tune._bar_rounds(s, tune.AGAIN * 2, r["threads"]) for s in r["confirmed"])   # known up front
     assert tune.current() == before                       # measuring changes nothing in force
     stages = tune.candidates()
     assert set(r["chosen"]) <= set(stages)
@@ -326,3 +326,26 @@ def test_ab_exit_status_says_whether_any_figure_is_slower(cache, restore, capsys
     out = capsys.readouterr().out
     assert rc == (1 if slow else 0)
     assert ("slower: context 32 k 2" in out) if slow else ("not slower on any figure" in out)
+
+
+def test_the_single_token_stages_hold_up_on_one_thread_too(restore, monkeypatch):
+    """A distance 5% faster on every thread but 10% slower on one (a core's own memory
+    parallelism binding) loses to the default; the bar counts both timings."""
+    cands = tune.candidates()["prefetch_k1"]
+    default = tune._label(cands, tune.defaults())
+    other = next(n for n in cands if n != default)
+    b = tune._Bench(1, 1, 2)
+    if b.pool.threads == 1:
+        pytest.skip("one CPU: there is no second timing")
+    calls = []
+
+    def per_round(fns, rounds, bar):
+        one = b.matmul_pool is b.one
+        calls.append(one)
+        return {n: [(1.1 if one else 0.95) if n == other else 1.0] * rounds for n in fns}
+    monkeypatch.setattr(tune, "_per_round", per_round)
+    times = tune._times("prefetch_k1", cands, b, tune.defaults(), 3, None)
+    assert calls == [False, True] and b.matmul_pool is b.pool
+    assert times[other] == [pytest.approx(1.1)] * 3 and times[default] == [1.0] * 3
+    assert tune._pick(times, default)[0] == default
+    assert tune._bar_rounds("prefetch_k1", 3, 2) == 6 and tune._bar_rounds("prefetch_k", 3, 2) == 3
