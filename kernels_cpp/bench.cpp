@@ -101,6 +101,28 @@ void bench_read(const uint8_t* buf, int64_t bytes, ThreadPool* pool, int reps, d
     g_sink = x;
 }
 
+double bench_round_trip(ThreadPool* pool, int n) {
+    if (!pool || pool->size() < 2 || n < 1) return 0;
+    alignas(64) std::atomic<int> flag{0};
+    double secs = 0;
+    PinScope pin(pool);
+    // one item per thread (a static split): thread 0 sends 2i + 1, thread 1 answers 2i + 2;
+    // the clock starts after the first round trip, which waits for thread 1 to wake
+    for_range(pool, pool->size(), 0, [&](int, int, int tid) {
+        if (tid > 1) return;
+        double t0 = 0;
+        for (int i = 0; i <= n; i++) {
+            const int ask = 2 * i + 1, answer = 2 * i + 2;
+            if (tid == 0) flag.store(ask, std::memory_order_release);
+            while (flag.load(std::memory_order_acquire) != (tid == 0 ? answer : ask)) _mm_pause();
+            if (tid == 1) flag.store(answer, std::memory_order_release);
+            if (i == 0) t0 = now();
+        }
+        if (tid == 0) secs = now() - t0;
+    });
+    return secs / n * 1e9;
+}
+
 void bench_copy(float* dst, const float* src, int64_t n, ThreadPool* pool, int reps, double* secs) {
     const int nt = pool ? pool->size() : 1;
     timed_passes(pool, reps, secs, [&](int part, int) {

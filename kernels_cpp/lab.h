@@ -493,6 +493,9 @@ private:
 // ----------------------------------------------------------------------------
 
 void bench_read(const uint8_t* buf, int64_t bytes, ThreadPool* pool, int reps, double* secs);
+// Nanoseconds a cache line takes to go from the pool's thread 0 to thread 1 and back, over n
+// round trips (0 for a pool of one): how far apart their CPUs sit.
+double bench_round_trip(ThreadPool* pool, int n);
 void bench_copy(float* dst, const float* src, int64_t n, ThreadPool* pool, int reps, double* secs);
 void bench_triad(float* a, const float* b, const float* c, int64_t n, ThreadPool* pool,
                  int reps, double* secs);

@@ -102,3 +102,16 @@ def test_prefetch_states_sweeps_on_a_base_and_restores_the_tuning():
     for field, text in (("prefetch_scales", "no"), ("prefetch_k1", "4k"), ("not_a_field", "1")):
         with pytest.raises((KeyError, ValueError)):
             ps.parse_value(field, text)
+
+
+def test_placement_times_a_round_trip_and_bands_steady_rounds():
+    import placement
+    r = lambda read, after, ns: {"read_before": read, "read_after": after, "round_trip_ns": ns}
+    rounds = [r(30, 31, 70.0), r(31, 30, 80.0), r(50, 52, 340.0), r(30, 50, 200.0)]   # the last unsteady
+    slow, fast = placement.bands(rounds, [40.0])
+    assert (slow["rounds"], fast["rounds"]) == (2, 1)
+    assert slow["round_trip_ns"] == pytest.approx(75.0) and fast["round_trip_ns"] == pytest.approx(340.0)
+    if len(__import__("os").sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: no round trip to time")
+    got = placement.measure(1, read_mb=8, trips=1000, progress=False)[0]
+    assert 0 < got["round_trip_ns"] < 1e6 and got["read_before"] > 0
