@@ -86,8 +86,9 @@ constexpr int ATT_WINDOW_BLOCK = 32;
 
 struct Tuning {
     // The SIMD kernels ask for their weight stream this far ahead, in bytes of a 4-bit stream
-    // (an 8-bit one goes as many blocks ahead): one token into L1; k >= 2 into L1 and into L2.
-    int prefetch_k1 = 8192;
+    // (an 8-bit one goes as many blocks ahead): one token into L1, per format (on one core of a
+    // Zen 4 an 8-bit stream ran faster with no request at all); k >= 2 into L1 and into L2.
+    int prefetch_k1 = 8192, prefetch_k1_q8 = 8192;
     int prefetch_l1_k = 4096;
     int prefetch_l2_k = 16384;
     // Whether they ask for the scales region's stream too, as many blocks ahead as for the
@@ -98,6 +99,10 @@ struct Tuning {
     // past four the arithmetic binds as much as the stream, and the k >= 2 scheme stays).
     bool q4_single_k2 = false, q4_single_k3 = false, q4_single_k4 = false;
     bool q8_single_k2 = true, q8_single_k3 = false, q8_single_k4 = false;
+    // Whether the AVX-512 kernel's accumulators for 2 or 4 tokens of a format go through memory
+    // each block rather than stay in registers: stream-bound cases where a machine first
+    // measured ran faster that way (docs/tuning.md).
+    bool q4_mem_acc_k2 = true, q4_mem_acc_k4 = false, q8_mem_acc_k2 = true, q8_mem_acc_k4 = true;
     int64_t guided_min_bytes = 96 << 10;    // the smallest guided share
     int64_t guided_from_bytes = 4 << 20;    // smaller matrices go in static halves
 };

@@ -67,7 +67,8 @@ struct StreamAhead {
 
     StreamAhead(int fmt, bool single, const Tuning& tn) {
         const int ch = block_chunks(fmt);
-        l1 = (int64_t)(single ? tn.prefetch_k1 : tn.prefetch_l1_k) * ch / 4;
+        const int k1 = fmt == FMT_Q8 ? tn.prefetch_k1_q8 : tn.prefetch_k1;
+        l1 = (int64_t)(single ? k1 : tn.prefetch_l1_k) * ch / 4;
         l2 = single ? 0 : (int64_t)tn.prefetch_l2_k * ch / 4;
         scales = tn.prefetch_scales ? l1 / (ch * CHUNK) * TILE * 2 : 0;   // a block's scales: TILE fp16
         scales_l2 = tn.scales_into_l2;
@@ -212,16 +213,20 @@ static inline __m512i dpbusd_bcst(__m512i s, __m512i w, const int8_t* a) {
 }
 
 // k is a template argument, so the accumulators stay in registers and the token loop
-// unrolls instead of loading and storing each accumulator per token and block. Two
-// stream-bound cases, q4 at k = 2 and q8 at k = 4, measured slower that way, so there the
-// accumulators still go through memory each block (an empty asm taking each as a memory
-// operand), and so does q8 at k = 2, which measured the same either way; measured, not
-// understood (docs/tuning.md).
-constexpr bool through_memory(int fmt, int k) { return k == 2 || (fmt == FMT_Q8 && k == 4); }
+// unrolls instead of loading and storing each accumulator per token and block. Some
+// stream-bound cases measured slower that way, so for 2 and 4 tokens the accumulators may go
+// through memory each block instead (an empty asm taking each as a memory operand), as
+// Tuning says per format; measured, not understood (docs/tuning.md).
+static inline bool through_memory(int fmt, int k, const Tuning& tn) {
+    const bool q4 = fmt == FMT_Q4;
+    if (k == 2) return q4 ? tn.q4_mem_acc_k2 : tn.q8_mem_acc_k2;
+    if (k == 4) return q4 ? tn.q4_mem_acc_k4 : tn.q8_mem_acc_k4;
+    return false;
+}
 
-// One tile's rows for the G tokens from `tok0` on, every block in order, in a pass of K
-// tokens in all. Only the first group of a tile asks for the streams ahead (PREFETCH_AHEAD).
-template <int FMT, int G, int K, bool PREFETCH_AHEAD>
+// One tile's rows for the G tokens from `tok0` on, every block in order. Only the first group
+// of a tile asks for the streams ahead (PREFETCH_AHEAD); MEM: the accumulators go through memory.
+template <int FMT, int G, bool MEM, bool PREFETCH_AHEAD>
 static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int tok0, float (*acc)[TILE],
                              const StreamAhead& ahead) {
     const int nb = W.cols / QK;
@@ -261,7 +266,7 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
             }
             const __m512 d = _mm512_mul_ps(dw, _mm512_set1_ps(A.d(tok0 + t)[b]));
             vacc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), d, vacc[t]);
-            if (through_memory(FMT, K)) asm volatile("" : "+m"(vacc[t]));
+            if (MEM) asm volatile("" : "+m"(vacc[t]));
         }
     }
     for (int t = 0; t < G; t++) _mm512_store_ps(acc[t], vacc[t]);
@@ -270,14 +275,14 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
 // More than 8 tokens take a tile in two groups, the second reading the tile's weights again
 // from cache, because in one group up to 16 accumulators beside a block's 8 weight registers
 // crowd the 32 registers and the compiler spills them (docs/tuning.md).
-template <int FMT, int K>
+template <int FMT, int K, bool MEM = false>
 static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1, const Tuning& tn) {
     constexpr int G1 = K <= 8 ? K : (K + 1) / 2, G2 = K - G1;
     const StreamAhead ahead(FMT, stream_bound(FMT, K, tn), tn);
     alignas(64) float acc[K][TILE];
     for (int tile = t0; tile < t1; tile++) {
-        tile_pass<FMT, G1, K, true>(W, A, tile, 0, acc, ahead);
-        if constexpr (G2 > 0) tile_pass<FMT, G2, K, false>(W, A, tile, G1, acc + G1, ahead);
+        tile_pass<FMT, G1, MEM, true>(W, A, tile, 0, acc, ahead);
+        if constexpr (G2 > 0) tile_pass<FMT, G2, MEM, false>(W, A, tile, G1, acc + G1, ahead);
         store_tile(W, y, ldy, tile, K, acc);
     }
 }
@@ -292,7 +297,11 @@ constexpr std::array<TunedFn, sizeof...(I)> by_k(std::integer_sequence<int, I...
 template <int FMT>
 static void tiles(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1) {
     static constexpr auto by_tokens = by_k<FMT>(std::make_integer_sequence<int, MAX_K>{});
-    by_tokens[A.k() - 1](W, A, y, ldy, t0, t1, tuning());
+    const Tuning tn = tuning();
+    const int k = A.k();
+    if (through_memory(FMT, k, tn))
+        return (k == 2 ? tiles_k<FMT, 2, true> : tiles_k<FMT, 4, true>)(W, A, y, ldy, t0, t1, tn);
+    by_tokens[k - 1](W, A, y, ldy, t0, t1, tn);
 }
 
 }  // namespace avx512

@@ -14,7 +14,7 @@ namespace lab {
 
 Tuning default_tuning() {
     Tuning t;
-    t.prefetch_k1 = LAB_PREFETCH;
+    t.prefetch_k1 = t.prefetch_k1_q8 = LAB_PREFETCH;
     // the two machines first measured: Intel's 4-bit matrices gained from the single-token scheme
     // at k = 2, AMD's lost (docs/tuning.md); `lab tune` measures it, and larger k, on each CPU
     t.q4_single_k2 = std::strcmp(cpu_info().vendor, "GenuineIntel") == 0;
@@ -30,7 +30,8 @@ Tuning tuning() { return in_force(); }
 
 int set_tuning(const Tuning& t) {
     constexpr int FAR = 1 << 20;       // past any stream a prefetch could still serve
-    const bool ok = t.prefetch_k1 >= 0 && t.prefetch_k1 <= FAR && t.prefetch_l1_k >= 0 &&
+    const bool ok = t.prefetch_k1 >= 0 && t.prefetch_k1 <= FAR && t.prefetch_k1_q8 >= 0 &&
+                    t.prefetch_k1_q8 <= FAR && t.prefetch_l1_k >= 0 &&
                     t.prefetch_l1_k <= FAR && t.prefetch_l2_k >= 0 && t.prefetch_l2_k <= FAR &&
                     t.guided_min_bytes > 0 && t.guided_from_bytes >= 0;
     if (!ok) return 1;

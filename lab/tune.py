@@ -38,12 +38,13 @@ from .slowcore import SlowCore
 
 SINGLE_K = (2, 3, 4)     # the token counts whose prefetch scheme is chosen, per format
 SINGLE = {f"{fmt}_single_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in SINGLE_K}   # field -> what it moves
+MEM_ACC = {f"{fmt}_mem_acc_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in (2, 4)}      # the AVX-512 path's only
 SCALES = ("prefetch_scales", "scales_into_l2")   # one stage: no request, into L1, into L2
-FLAGS = (*SINGLE, *SCALES)      # the yes/no fields
-FIELDS = ("prefetch_k1", "prefetch_l1_k", "prefetch_l2_k", *FLAGS, "guided_min_bytes", "guided_from_bytes")
+FLAGS = (*SINGLE, *MEM_ACC, *SCALES)      # the yes/no fields
+FIELDS = ("prefetch_k1", "prefetch_k1_q8", "prefetch_l1_k", "prefetch_l2_k", *FLAGS, "guided_min_bytes", "guided_from_bytes")
 MB = 1 << 20
 # What the tuner tries besides the default (which it always tries).
-PREFETCH_K1 = (2048, 4096, 8192, 16384)
+PREFETCH_K1 = (0, 2048, 4096, 8192, 16384)   # per format; 0: the hardware prefetcher alone
 PREFETCH_K = ((2048, 8192), (2048, 16384), (4096, 16384), (4096, 32768), (8192, 32768))
 GUIDED_FROM = (1 * MB, 2 * MB, 4 * MB, 8 * MB, 16 * MB)
 SPLIT_SIZES = (1 * MB, 2 * MB, 4 * MB, 8 * MB)   # the matrix sizes the split threshold is judged on
@@ -97,14 +98,14 @@ def apply(values: dict, ns=None) -> None:
 def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
     """Per stage, each candidate's label -> the fields it sets; every value the tuner can pick."""
     base = base or defaults()
-    k1 = sorted({*PREFETCH_K1, base["prefetch_k1"]})
+    k1 = {f: sorted({*PREFETCH_K1, base[f]}) for f in ("prefetch_k1", "prefetch_k1_q8")}
     pairs = sorted({*PREFETCH_K, (base["prefetch_l1_k"], base["prefetch_l2_k"])})
     froms = sorted({*GUIDED_FROM, base["guided_from_bytes"]})
     mins = sorted({*GUIDED_MIN, base["guided_min_bytes"]})
     return {
-        "prefetch_k1": {str(v): {"prefetch_k1": v} for v in k1},
+        **{f: {str(v): {f: v} for v in vs} for f, vs in k1.items()},
         "prefetch_k": {f"{a}/{b}": {"prefetch_l1_k": a, "prefetch_l2_k": b} for a, b in pairs},
-        **{f: {str(v).lower(): {f: v} for v in (False, True)} for f in SINGLE},
+        **{f: {str(v).lower(): {f: v} for v in (False, True)} for f in (*SINGLE, *MEM_ACC)},
         "prefetch_scales": {"none": {"prefetch_scales": False, "scales_into_l2": False},
                             "l1": {"prefetch_scales": True, "scales_into_l2": False},
                             "l2": {"prefetch_scales": True, "scales_into_l2": True}},
@@ -330,8 +331,9 @@ def _label(cands: dict[str, dict], values: dict) -> str:
 
 def _stage_samplers(b: _Bench) -> dict[str, Callable[[], list[float]]]:
     """What each prefetch stage times: the kernels whose speed its values move."""
-    return {"prefetch_k1": lambda: b.both(1), "prefetch_k": lambda: b.both(4),
-            **{f: (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for f, (fmt, k) in SINGLE.items()},
+    return {"prefetch_k1": lambda: b.matmul("q4", 1), "prefetch_k1_q8": lambda: b.matmul("q8", 1),
+            "prefetch_k": lambda: b.both(4),
+            **{f: (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for f, (fmt, k) in (SINGLE | MEM_ACC).items()},
             "prefetch_scales": lambda: b.both(1)}     # where the stream binds most: decode
 
 
@@ -375,7 +377,7 @@ SPLIT_TIMERS = {"guided_from_bytes": _threshold_times, "guided_min_bytes": _shar
 # The single-token stream's stages, timed on every thread and again on one, each round's ratio the
 # worse of the two: where the threads do not share one link to memory, as when a hypervisor
 # puts two vCPUs on different dies, each core's own memory parallelism binds (docs/tuning.md).
-ONE_THREAD = ("prefetch_k1", "prefetch_scales")
+ONE_THREAD = ("prefetch_k1", "prefetch_k1_q8", "prefetch_scales")
 
 
 def _worse_of(timings: list[dict[str, list[float]]], default: str) -> dict[str, list[float]]:
@@ -413,8 +415,9 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
     start = time.perf_counter()
     b = _Bench(mb, reps, threads)
     base, stages = defaults(), candidates()
-    prefetching, split = b.path_name != "scalar", b.pool.threads > 1   # what this path and pool can move
-    run = [s for s in stages if (split if s.startswith("guided") else prefetching)]
+    # what this path and pool can move
+    prefetching, split, registers = b.path_name != "scalar", b.pool.threads > 1, b.path_name == "avx512vnni"
+    run = [s for s in stages if (split if s.startswith("guided") else registers if s in MEM_ACC else prefetching)]
     measured, chosen, confirmed = {}, {}, {}
     read_before = b.read_gbps()
     try:

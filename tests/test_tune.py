@@ -63,8 +63,9 @@ def test_every_choice_keeps_every_bit(fmt, path, restore):
 
 
 def test_out_of_range_values_are_refused(restore):
-    with pytest.raises(ValueError, match="out of range"):
-        tune.apply({"prefetch_k1": -64})
+    for field in ("prefetch_k1", "prefetch_k1_q8"):
+        with pytest.raises(ValueError, match="out of range"):
+            tune.apply({field: -64})
     with pytest.raises(ValueError, match="unknown"):
         tune.apply({"prefetch": 4096})
     assert tune.current() == tune.defaults()
