@@ -72,6 +72,23 @@ def _as_dict(t) -> dict:
     return {f: bool(getattr(t, f)) if f in FLAGS else int(getattr(t, f)) for f in FIELDS}
 
 
+def moves(a: dict, b: dict, k: int) -> bool:
+    """Whether a k-token pass can run different kernel code under tunings a and b: a field that
+    only moves other token counts leaves it alone (`lab tune --ab` judges only the passes that move)."""
+    diff = {f for f in FIELDS if a[f] != b[f]}
+    if diff & {*SCALES, "guided_min_bytes", "guided_from_bytes"}:
+        return True
+    for fmt, k1 in (("q4", "prefetch_k1"), ("q8", "prefetch_k1_q8")):
+        if {f"{fmt}_single_k{k}", f"{fmt}_mem_acc_k{k}"} & diff:
+            return True
+        flag = f"{fmt}_single_k{k}"
+        single = k == 1 or (flag in a and (a[flag] or b[flag]))        # under either tuning
+        multi = k > 1 and not (flag in a and a[flag] and b[flag])
+        if (single and k1 in diff) or (multi and diff & {"prefetch_l1_k", "prefetch_l2_k"}):
+            return True
+    return False
+
+
 def defaults() -> dict:
     """The engine's defaults on this CPU (docs/tuning.md has the measurements behind them)."""
     return _as_dict(native.lib().default_tuning())

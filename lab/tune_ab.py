@@ -43,8 +43,9 @@ def _pair(engine, tokens: np.ndarray, pos: int, variants: dict[str, dict], round
 def ab(engine, contexts, ks, tuned: dict, rounds: int = 10, reps: int = 3, progress: bool = True) -> dict:
     """Tuned values against the defaults on engine's passes of each k at each context: per figure,
     each variant's median ms and the per-round time ratios tuned / default, their median and IQR; v(k)
-    under each variant; and which figures the tuned values make slower. The values in force are
-    left as they were."""
+    under each variant; and which figures the tuned values make slower. A figure whose kernels the
+    tuned values cannot change (`tune.moves`) is timed too, a gauge of the noise, but never
+    judged slower. The values in force are left as they were."""
     from tqdm import tqdm
     variants = {"default": tune.defaults(), "tuned": tuned}
     before = tune.current()
@@ -58,9 +59,10 @@ def ab(engine, contexts, ks, tuned: dict, rounds: int = 10, reps: int = 3, progr
                     t = _pair(engine, np.resize(ids, k).astype(np.int32), ctx, variants, rounds, reps, bar)
                     ratios = paired_ratios(t["tuned"], t["default"])
                     ratio = summary(ratios)
+                    moved = tune.moves(variants["default"], tuned, k)
                     rows.append({"context": ctx, "k": k, **{f"{v}_ms": float(np.median(flat(t[v]))) * 1e3 for v in t},
                                  "ratio": ratio["median"], "q1": ratio["q1"], "q3": ratio["q3"],
-                                 "ratios": ratios, "slower": slower(ratios)})
+                                 "ratios": ratios, "same_code": not moved, "slower": moved and slower(ratios)})
     finally:
         tune.apply(before)
     one = {r["context"]: r for r in rows if r["k"] == 1}

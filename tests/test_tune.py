@@ -287,13 +287,32 @@ def test_ab_times_every_figure_under_both_values_and_puts_them_back(tiny_engine,
     assert [(x["context"], x["k"]) for x in r["results"]] == [(32, 1), (32, 3), (64, 1), (64, 3)]
     for x in r["results"]:
         assert x["default_ms"] > 0 and x["tuned_ms"] > 0 and x["q1"] <= x["ratio"] <= x["q3"]
-        assert len(x["ratios"]) == 3 and x["slower"] == tune_ab.slower(x["ratios"])
+        assert x["same_code"] == (not tune.moves(tune.defaults(), tuned, x["k"])) and (x["k"] > 1 or not x["same_code"])
+        assert len(x["ratios"]) == 3 and x["slower"] == (not x["same_code"] and tune_ab.slower(x["ratios"]))
         assert x["v_default"] > 0 and x["v_tuned"] > 0 and (x["k"] > 1 or x["v_default"] == x["v_tuned"] == 1.0)
     # A B B A: each round's pair alternates which goes first, so neither always runs second
     order = ["tuned" if v == tuned else "default" for v in seen[:6]]
     assert order == ["default", "tuned", "tuned", "default", "default", "tuned"]
     assert len(seen) == 4 * 3 * 2 + 1           # two passes a round, and the values put back
     assert r["slower"] == [{"context": x["context"], "k": x["k"]} for x in r["results"] if x["slower"]]
+
+
+def test_moves_says_which_passes_a_change_can_touch():
+    d = {**tune.defaults(), "q4_single_k2": False, "q8_single_k2": True, "q4_single_k3": False, "q8_single_k3": False}
+    cases = {   # changed fields -> the token counts whose kernels they touch, of 1, 2, 3, 4, 8
+        (("prefetch_k1_q8", 0),): {1, 2},                        # 8-bit takes the single-token scheme at 2
+        (("prefetch_k1", 4096),): {1},
+        (("prefetch_l2_k", 32768),): {2, 3, 4, 8},               # 4-bit at 2 is multi-token
+        (("q8_mem_acc_k2", False),): {2},
+        (("q4_single_k3", True),): {3},
+        (("scales_into_l2", True),): {1, 2, 3, 4, 8},
+        (("guided_from_bytes", 1 << 20),): {1, 2, 3, 4, 8},
+        (): set(),
+    }
+    for changes, ks in cases.items():
+        b = {**d, **dict(changes)}
+        assert {k for k in (1, 2, 3, 4, 8) if tune.moves(d, b, k)} == ks, changes
+        assert all(tune.moves(d, b, k) == tune.moves(b, d, k) for k in (1, 2, 3, 4, 8))
 
 
 @pytest.mark.parametrize("ratios, says", [
