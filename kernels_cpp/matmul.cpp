@@ -62,7 +62,7 @@ constexpr int BLOCKS_PER_SCALE_LINE = 64 / (TILE * 2);
 
 // One kernel call's requests ahead, in bytes from a block's first byte and first scale.
 struct StreamAhead {
-    int64_t l1 = 0, l2 = 0, scales = 0;    // l2, scales: 0 for none
+    int64_t l1 = 0, l2 = 0, scales = 0;    // 0 for none
     bool scales_l2 = false;                // the scales' line into L2, not L1
 
     StreamAhead(int fmt, bool single, const Tuning& tn) {
@@ -79,7 +79,8 @@ struct StreamAhead {
     // always inlined: a call would make the kernel spill its vector registers around it
     template <int CH>
     __attribute__((always_inline)) inline void block(const uint8_t* qb, const uint16_t* db, int b) const {
-        for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + l1 + g * CHUNK), _MM_HINT_T0);
+        if (l1)
+            for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + l1 + g * CHUNK), _MM_HINT_T0);
         if (l2)
             for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + l2 + g * CHUNK), _MM_HINT_T2);
         if (scales && b % BLOCKS_PER_SCALE_LINE == 0) {

@@ -1,17 +1,18 @@
 """Tuning by measurement: the engine's speed-only choices, timed on this machine.
 
 The choices (the C++ `Tuning`, kernels_cpp/lab.h): the SIMD kernels' prefetch distances for
-one token and for k >= 2, whether 2, 3 and 4 tokens take the single-token scheme (per format),
-whether they prefetch the scales region too, the matrix size from which the matmul split turns
-from static halves to guided shares, and the guided split's smallest share (both judged on
-quiet cores and with one core shared with a co-runner, lab.slowcore, keeping the value that
-holds up on both). None of them
-changes a result (tests/test_tune.py checks every candidate bit for bit); the choices that change
-arithmetic order stay fixed per kernel path.
+one token (per format) and for k >= 2, whether 2, 3 and 4 tokens take the single-token scheme
+(per format), whether they prefetch the scales region too and into which cache, whether the
+AVX-512 kernel's 2- and 4-token accumulators go through memory (per format), the matrix size
+from which the matmul split turns from static halves to guided shares, and the guided split's
+smallest share (both judged on quiet cores and with one core shared with a co-runner,
+lab.slowcore, keeping the value that holds up on both; the single-token stages likewise on every
+thread and on one). None of them changes a result (tests/test_tune.py checks every candidate bit
+for bit); the choices that change arithmetic order stay fixed per kernel path.
 
 `tune()` times each candidate against the default with the real kernels on a working set past the
-last-level cache, candidates interleaved round by round, and keeps the default unless a candidate
-is faster by MARGIN in the median paired ratio. The result is cached as JSON beside the native
+last-level cache, candidates interleaved round by round; the one with the lowest median ratio, if
+MARGIN or lower, is timed against the default again and kept only if it clearly wins there. The result is cached as JSON beside the native
 builds, keyed by CPU model, kernel path and the build's sources (`native.loaded_key`). Loading the
 library applies a valid cache and never measures; the first Engine measures when nothing valid is
 cached (`ensure`), `lab tune` measures again; LAB_TUNE=0 keeps the defaults.
@@ -426,7 +427,8 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
     """Measures every stage's candidates on this machine and returns the values chosen, with each
     candidate's median time ratio to the default; the values in force are left as they were.
     The candidate with the lowest median ratio, if MARGIN or lower, is timed against the default
-    once more, alone, for AGAIN times the rounds, and kept only if it clearly wins there. mb: each matrix's size (past the last-level cache: the weights stream from memory)."""
+    once more, alone, for AGAIN times the rounds, and kept only if it clearly wins there.
+    mb: each matrix's size (past the last-level cache: the weights stream from memory)."""
     from tqdm import tqdm
     before = current()                          # builds the library first, if it must
     start = time.perf_counter()
