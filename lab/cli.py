@@ -347,6 +347,10 @@ def _print_decode(r: dict) -> None:
           f"{r['tokens_per_s']:.1f} tokens/s ({r['ms_per_token']:.1f} ms/token)")
     print(f"{r['bytes_per_pass'] / 1e6:.0f} MB read per pass = {r['gbps']:.1f} GB/s; read ceiling "
           f"{r['read_gbps']:.1f} GB/s; share {100 * r['share_of_ceiling']:.0f}% (IQR {100 * r['share_of_ceiling_iqr']:.0f})")
+    trip = r.get("round_trip_ns") or {}
+    if trip.get("before"):
+        print(f"threads 0 and 1: a cache line's round trip {trip['before']:.0f} ns before, {trip['after']:.0f} after "
+              "(several times longer across dies, where each die has its own link to memory)")
     if "stages" in r:
         print(f"{'stage':10s} {'ms':>7s} {'part':>5s} {'MB':>6s} {'GB/s':>6s} {'%ceil':>6s}")
         for x in r["stages"]:

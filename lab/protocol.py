@@ -59,6 +59,13 @@ def read_buffer(nbytes: int):
     return buf, owner
 
 
+def round_trip_ns(pool: kernels.Pool, trips: int = 20_000) -> float | None:
+    """Nanoseconds for a cache line's round trip between the pool's threads 0 and 1 (None for a
+    pool of one): on a virtual machine, which says whether its vCPUs share a die, and with it a
+    link to memory (docs/tuning.md, "The fast bus state is two dies")."""
+    return float(native.lib().bench_round_trip(pool._pool, trips)) if pool.threads > 1 else None
+
+
 def read_sampler(buf: np.ndarray, pool: kernels.Pool, reps: int = 3) -> Callable[[], list[float]]:
     """One call: `reps` read passes over buf -> GB/s each."""
     ns = native.lib()

@@ -10,7 +10,8 @@ import numpy as np
 
 from . import kernels, native, slowcore
 from .machine import machine
-from .protocol import fill, flat, forward_samples, interleave, paired_ratio, read_buffer, read_sampler, summary
+from .protocol import (fill, flat, forward_samples, interleave, paired_ratio, read_buffer, read_sampler, round_trip_ns,
+                       summary)
 
 
 def decode_bench(engine, context: int = 256, rounds: int = 7, reps: int = 5, stages: bool = False,
@@ -18,7 +19,8 @@ def decode_bench(engine, context: int = 256, rounds: int = 7, reps: int = 5, sta
     """One-token decode steps at a fixed context (the output layer included), paired round by
     round with read passes: tokens/s, bytes read per token, share of the read ceiling.
     stages=True also times each stage of the pass (`stage_records`); k > 1 times k-token
-    passes (a verification's) instead of one-token steps."""
+    passes (a verification's) instead of one-token steps. The threads' round trip before and
+    after says where the machine put them."""
     tok = fill(engine, context)[-k:].copy()
     buf, _owner = read_buffer(512 << 20)
     reader = read_sampler(buf, engine.pool)
@@ -32,9 +34,11 @@ def decode_bench(engine, context: int = 256, rounds: int = 7, reps: int = 5, sta
             per_round.append({name: s / (reps + 1) for name, s in engine.stage_seconds().items()})   # + the warm-up pass
             engine.profile(False)
         return [engine.weight_bytes / s / 1e9 for s in secs]
+    trip_before = round_trip_ns(engine.pool)
     samples = interleave({"step": step, "read": reader}, rounds)
     out = {"machine": machine(), "file": str(engine.file), "threads": engine.pool.threads, "context": context,
-           "k": k, **_decode_rates(samples, engine.weight_bytes, k)}
+           "k": k, **_decode_rates(samples, engine.weight_bytes, k),
+           "round_trip_ns": {"before": trip_before, "after": round_trip_ns(engine.pool)}}
     if stages:
         out["stages"] = stage_records(per_round, engine.stage_bytes(), [np.median(r) for r in samples["read"]])
     return out

@@ -77,6 +77,11 @@ def test_decode_stages_json(tmp_path):
     for name in ("qkv", "o", "gate_up", "down", "output"):
         assert st[name]["ms"] > 0 and st[name]["gbps"] > 0 and st[name]["share_of_ceiling"] > 0, name
     assert "gbps" not in st["attention"]
+    trip = r["round_trip_ns"]                   # where the threads sit: none to time on one CPU
+    if r["threads"] > 1:
+        assert all(0 < trip[w] < 1e6 for w in ("before", "after"))
+    else:
+        assert trip == {"before": None, "after": None}
 
 
 def test_decode_stages_of_a_k_token_pass(tmp_path):

@@ -19,9 +19,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from lab import kernels, native  # noqa: E402
+from lab import kernels  # noqa: E402
 from lab.costs import READ_MB  # noqa: E402
-from lab.protocol import read_buffer, read_sampler  # noqa: E402
+from lab.protocol import read_buffer, read_sampler, round_trip_ns  # noqa: E402
 
 STEADY = 0.15
 TRIPS = 100_000
@@ -34,11 +34,11 @@ def measure(rounds: int, read_mb: int = READ_MB, trips: int = TRIPS, progress: b
     if pool.threads < 2:
         raise SystemExit("one CPU: there is no second CPU to time a round trip to")
     buf, _owner = read_buffer(read_mb << 20)
-    read, ns = read_sampler(buf, pool), native.lib()
+    read = read_sampler(buf, pool)
     out = []
     for _ in tqdm(range(rounds), desc="placement", unit="round", disable=not progress, file=sys.stderr):
         before = float(np.median(read()))
-        trip = float(ns.bench_round_trip(pool._pool, trips))
+        trip = round_trip_ns(pool, trips)
         out.append({"read_before": before, "round_trip_ns": trip, "read_after": float(np.median(read()))})
     return out
 
