@@ -364,6 +364,8 @@ def _print_vk(r: dict) -> None:
     for ctx in sorted({x["context"] for x in r["records"]}):
         vs = [x for x in r["records"] if x["context"] == ctx and x["kind"] == "v"]
         read = f"read ceiling {vs[0]['read_gbps_before']:.0f} GB/s before, {vs[0]['read_gbps_after']:.0f} after"
+        if vs[0].get("round_trip_ns"):
+            read += f"; threads {vs[0]['round_trip_ns']:.0f} ns apart"
         print(f"context {ctx} ({read}): " + " ".join(f"v({x['k']})={x['v']:.2f}" for x in vs))
         for x in r["records"]:
             if x["context"] == ctx and x["kind"] == "c":

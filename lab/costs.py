@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from .machine import machine
-from .protocol import fill, flat, forward_samples, interleave, paired_ratio, read_buffer, read_sampler
+from .protocol import fill, flat, forward_samples, interleave, paired_ratio, read_buffer, read_sampler, round_trip_ns
 
 READ_MB = 256       # the buffer the read ceiling is sampled over, past the last-level cache
 
@@ -17,8 +17,8 @@ def vk_bench(target, drafts: dict, contexts=None, ks=tuple(range(1, 17)), rounds
     `drafts` (format -> Engine); o = a round's overhead (sampling, acceptance) / one target
     step, with the first draft (prompt lookup if none). contexts: the policy's by default.
     Each context's records carry the read ceiling sampled just before and after them
-    (read_gbps_before, read_gbps_after): the bus can change state between contexts, and v(k)
-    differs between states."""
+    (read_gbps_before, read_gbps_after) and the threads' round trip before them (round_trip_ns):
+    the bus can change state between contexts, and v(k) differs between states."""
     from .policy import CONTEXTS
     it = contexts = CONTEXTS if contexts is None else contexts
     if progress:
@@ -28,10 +28,10 @@ def vk_bench(target, drafts: dict, contexts=None, ks=tuple(range(1, 17)), rounds
     read = read_sampler(buf, target.pool)
 
     def at(ctx: int) -> list[dict]:
-        before = float(np.median(read()))
+        before, trip = float(np.median(read())), round_trip_ns(target.pool)
         recs = records_at(target, drafts, ctx, ks, rounds, reps)
         after = float(np.median(read()))
-        return [{**r, "read_gbps_before": before, "read_gbps_after": after} for r in recs]
+        return [{**r, "read_gbps_before": before, "read_gbps_after": after, "round_trip_ns": trip} for r in recs]
     records = [r for ctx in it for r in at(ctx)]
     o = overhead(target, next(iter(drafts.values()), None))
     return {"machine": machine(), "threads": target.pool.threads, "records": records, "o": o["o_greedy"],

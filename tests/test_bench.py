@@ -146,6 +146,8 @@ def test_vk_bench_reads_the_ceiling_beside_each_context(pair):
     r = vk_bench(t, {"q4-q8out": d}, (16, 32), (1, 2), rounds=1, reps=1)
     assert {(x["kind"], x["context"]) for x in r["records"]} == {(k, c) for k in ("v", "c") for c in (16, 32)}
     assert all(x["read_gbps_before"] > 0 and x["read_gbps_after"] > 0 for x in r["records"])
+    multi = t.pool.threads > 1                 # and where the threads sat: no round trip on one CPU
+    assert all((x["round_trip_ns"] > 0) if multi else x["round_trip_ns"] is None for x in r["records"])
 
 
 def test_checked_runs_stop_on_a_speculative_output_that_differs(pair):
