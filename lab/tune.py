@@ -34,7 +34,7 @@ import numpy as np
 
 from . import kernels, native
 from .files import write_text_atomic
-from .protocol import interleave, matmul_samples, read_buffer, read_sampler, summary
+from .protocol import interleave, matmul_samples, read_buffer, read_sampler, round_trip_ns, summary
 from .slowcore import SlowCore
 
 SINGLE_K = (2, 3, 4)     # the token counts whose prefetch scheme is chosen, per format
@@ -61,7 +61,7 @@ CACHE_FORMAT = 1
 COLS = 2048             # the tuner's matrices: about a Qwen hidden size, so tiles are model-sized
 SLOW_DUTY = 0.5         # the split is judged with one core this busy with other work as well
 
-_state: dict = {"source": "default", "file": None, "tried": False, "read_gbps": None}
+_state: dict = {"source": "default", "file": None, "tried": False, "read_gbps": None, "round_trip_ns": None}
 _noted: set[str] = set()
 
 
@@ -191,7 +191,8 @@ def save(rec: dict) -> Path:
 def use(rec: dict, ns=None) -> None:
     """Puts a tuning (a tune() result or a loaded cache) in force and records where it came from."""
     apply(rec["values"], ns)
-    _state.update(source=f"tuned at {rec['date']}", file=str(cache_file(rec)), read_gbps=rec.get("read_gbps"))
+    _state.update(source=f"tuned at {rec['date']}", file=str(cache_file(rec)), read_gbps=rec.get("read_gbps"),
+                  round_trip_ns=rec.get("round_trip_ns"))
 
 
 def skipped() -> bool:
@@ -201,7 +202,7 @@ def skipped() -> bool:
 def on_load(ns) -> None:
     """native.lib() calls this once: the cached tuning goes in force; nothing is measured."""
     if skipped():
-        _state.update(source="LAB_TUNE=0", file=None, read_gbps=None)
+        _state.update(source="LAB_TUNE=0", file=None, read_gbps=None, round_trip_ns=None)
         return
     rec = load(ns)
     if rec:
@@ -230,7 +231,7 @@ def ensure(progress: bool = True) -> None:
 def describe() -> dict:
     """The values in force, the defaults, and where the values came from."""
     return {"source": _state["source"], "file": _state["file"], "read_gbps": _state["read_gbps"],
-            "values": current(), "defaults": defaults()}
+            "round_trip_ns": _state["round_trip_ns"], "values": current(), "defaults": defaults()}
 
 
 def lines(d: dict | None = None) -> list[str]:
@@ -240,6 +241,9 @@ def lines(d: dict | None = None) -> list[str]:
     if d.get("read_gbps"):      # the bandwidth state the choices were made in (the bus flips)
         out.append(f"  read ceiling          {d['read_gbps']['before']:.1f} GB/s before, "
                    f"{d['read_gbps']['after']:.1f} after")
+    trip = d.get("round_trip_ns") or {}
+    if trip.get("before"):      # and where the threads sat: one die, or two with a link each
+        out.append(f"  threads' round trip   {trip['before']:.0f} ns before, {trip['after']:.0f} after")
     for f in FIELDS:
         v, dv = d["values"][f], d["defaults"][f]
         out.append(f"  {f:22s}{v}" + ("" if v == dv else f" (default {dv})"))
@@ -438,7 +442,7 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
     prefetching, split, registers = b.path_name != "scalar", b.pool.threads > 1, b.path_name == "avx512vnni"
     run = [s for s in stages if (split if s.startswith("guided") else registers if s in MEM_ACC else prefetching)]
     measured, chosen, confirmed = {}, {}, {}
-    read_before = b.read_gbps()
+    read_before, trip_before = b.read_gbps(), round_trip_ns(b.pool)
     try:
         with tqdm(total=sum(_bar_rounds(s, rounds, b.pool.threads) for s in run), desc="lab tune", unit="round",
                   disable=not progress, file=sys.stderr) as bar:
@@ -459,4 +463,5 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
             "seconds": round(time.perf_counter() - start, 1), "values": base, "defaults": defaults(),
             "chosen": chosen, "measured": measured, "confirmed": confirmed, "mb": mb, "rounds": rounds,
             "threads": b.pool.threads, "read_gbps": {"before": read_before, "after": b.read_gbps()},
+            "round_trip_ns": {"before": trip_before, "after": round_trip_ns(b.pool)},
             "slow_core": {"cpu": b.pool.cpus[-1], "duty": SLOW_DUTY} if split else None}

@@ -77,7 +77,7 @@ def record(**over):
 
 
 def test_cache_round_trip(cache, restore):
-    rec = record(read_gbps={"before": 78.4, "after": 44.1})
+    rec = record(read_gbps={"before": 78.4, "after": 44.1}, round_trip_ns={"before": 341.0, "after": 58.2})
     f = tune.save(rec)
     assert f.parent == cache / "native" / native.loaded_key() and json.loads(f.read_text()) == rec
     other = tune.save(record(sources="0" * 20))            # another build's tuning, kept beside it
@@ -89,6 +89,7 @@ def test_cache_round_trip(cache, restore):
     assert d["source"] == "tuned at 2026-12-01T07:00" and d["file"] == str(f)
     assert any("prefetch_k1" in ln and "(default" in ln for ln in tune.lines(d))
     assert any("78.4 GB/s before, 44.1 after" in ln for ln in tune.lines(d))    # the state it was tuned in
+    assert any("341 ns before, 58 after" in ln for ln in tune.lines(d))         # and where the threads sat
 
 
 @pytest.mark.parametrize("field, value, says", [("cpu", "Another CPU(R)", "another CPU"),
@@ -157,6 +158,8 @@ def test_tune_on_a_small_working_set_picks_from_the_candidates(restore, capsys):
         assert all(r["values"][f] == v for f, v in stages[stage][label].items())
     assert set(r["values"]) == set(tune.FIELDS) and r["seconds"] < 60
     assert all(1 < r["read_gbps"][w] < 10_000 for w in ("before", "after"))
+    assert all((0 < r["round_trip_ns"][w] < 1e6) if r["threads"] > 1 else r["round_trip_ns"][w] is None
+               for w in ("before", "after"))
     assert {k: r[k] for k in ("cpu", "path", "sources")} == tune.key()
 
 
