@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lab import kernels  # noqa: E402
 from lab.costs import READ_MB  # noqa: E402
 from lab.protocol import read_buffer, read_sampler, round_trip_ns  # noqa: E402
+from prefetch_states import steady_bands  # noqa: E402
 
-STEADY = 0.15
 TRIPS = 100_000
 
 
@@ -44,18 +44,14 @@ def measure(rounds: int, read_mb: int = READ_MB, trips: int = TRIPS, progress: b
 
 
 def bands(rounds: list[dict], edges: list[float]) -> list[dict]:
-    """The steady rounds by read ceiling, [0, e1), [e1, e2), ...: per band the median read and
-    the round trip's median and quartiles."""
-    steady = [r for r in rounds if abs(r["read_after"] / r["read_before"] - 1) <= STEADY]
+    """The steady rounds by read ceiling (as tools/prefetch_states.py bands them): per band the
+    median read and the round trip's median and quartiles."""
     out = []
-    for lo, hi in zip([0.0, *edges], [*edges, float("inf")]):
-        mine = [r for r in steady if lo <= (r["read_before"] + r["read_after"]) / 2 < hi]
-        if mine:
-            trips = [r["round_trip_ns"] for r in mine]
-            out.append({"from_gbps": lo, "to_gbps": hi, "rounds": len(mine),
-                        "read_gbps": float(np.median([(r["read_before"] + r["read_after"]) / 2 for r in mine])),
-                        "round_trip_ns": float(np.median(trips)),
-                        "round_trip_iqr": [float(np.percentile(trips, 25)), float(np.percentile(trips, 75))]})
+    for lo, hi, mine, gbps in steady_bands(rounds, edges):
+        trips = [r["round_trip_ns"] for r in mine]
+        out.append({"from_gbps": lo, "to_gbps": hi, "rounds": len(mine), "read_gbps": gbps,
+                    "round_trip_ns": float(np.median(trips)),
+                    "round_trip_iqr": [float(np.percentile(trips, 25)), float(np.percentile(trips, 75))]})
     return out
 
 

@@ -38,8 +38,8 @@ def measure(engine, field: str, values: list, rounds: int, context: int, k: int 
     buf, _owner = read_buffer(read_mb << 20)
     read = read_sampler(buf, engine.pool)
     tokens = fill(engine, context)[-k:].astype(np.int32)
-    base, out = {**tune.current(), **(base or {})}, []
-    restore = tune.current()
+    restore, out = tune.current(), []
+    base = {**restore, **(base or {})}
     try:
         for r in tqdm(range(rounds), desc="prefetch states", unit="round", disable=not progress, file=sys.stderr):
             before, ms = float(np.median(read())), {}
@@ -52,16 +52,23 @@ def measure(engine, field: str, values: list, rounds: int, context: int, k: int 
     return out
 
 
-def bands(rounds: list[dict], edges: list[float], default: int, weight_bytes: int) -> list[dict]:
-    """The steady rounds by read ceiling, [0, e1), [e1, e2), ...: per band and value the median
-    ms, the median ratio to `default` within a round, and the share of the ceiling."""
+def steady_bands(rounds: list[dict], edges: list[float]) -> list[tuple[float, float, list[dict], float]]:
+    """The rounds whose two reads agree within STEADY, by read ceiling, [0, e1), [e1, e2), ...:
+    per band that has any, (from GB/s, to GB/s, its rounds, their median read)."""
     steady = [r for r in rounds if abs(r["read_after"] / r["read_before"] - 1) <= STEADY]
     out = []
     for lo, hi in zip([0.0, *edges], [*edges, float("inf")]):
         mine = [r for r in steady if lo <= (r["read_before"] + r["read_after"]) / 2 < hi]
-        if not mine:
-            continue
-        gbps = float(np.median([(r["read_before"] + r["read_after"]) / 2 for r in mine]))
+        if mine:
+            out.append((lo, hi, mine, float(np.median([(r["read_before"] + r["read_after"]) / 2 for r in mine]))))
+    return out
+
+
+def bands(rounds: list[dict], edges: list[float], default: int, weight_bytes: int) -> list[dict]:
+    """The steady rounds by read ceiling: per band and value the median ms, the median ratio to
+    `default` within a round, and the share of the ceiling."""
+    out = []
+    for lo, hi, mine, gbps in steady_bands(rounds, edges):
         rows = {v: {"ms": float(np.median([r["ms"][v] for r in mine])),
                     "ratio": float(np.median([r["ms"][v] / r["ms"][default] for r in mine]))} for v in sorted(mine[0]["ms"])}
         for x in rows.values():
