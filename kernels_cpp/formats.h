@@ -57,21 +57,36 @@ static_assert(Q4_BYTES % CHUNK_ROW == 0 && Q8_BYTES % CHUNK_ROW == 0, "a block f
 constexpr int block_chunks(int fmt) { return block_bytes(fmt) / CHUNK_ROW; }
 constexpr int64_t tile_count(int64_t rows) { return (rows + TILE - 1) / TILE; }
 
-// Tiles follow each other, and in a tile its nb blocks: each block's TILE scales in the
-// scales region, its TILE rows of bytes (block_chunks chunks) in the bytes region.
+// Tiles follow each other in one stream, and in a tile its nb blocks in pairs: a cache line
+// with the pair's 2 x TILE scales, then each block's TILE rows of bytes (block_chunks
+// chunks). A kernel thus reads every line of its share in order, and one thread's stream
+// from memory outran the same bytes read as two streams, scales apart (docs/tuning.md).
+constexpr int PAIR_SCALES = 2 * TILE * SCALE_BYTES;       // a pair's line of scales
+static_assert(PAIR_SCALES == 64, "a pair's scales fill one cache line");
+constexpr int64_t pair_bytes(int fmt) { return PAIR_SCALES + 2 * block_chunks(fmt) * CHUNK; }
+// A tile's bytes: an odd last block has a pair's line of scales to itself.
+constexpr int64_t packed_tile_bytes(int fmt, int nb) {
+    return (nb + 1) / 2 * PAIR_SCALES + (int64_t)nb * block_chunks(fmt) * CHUNK;
+}
+
+// Offsets add up: tile t's block b lies at offsets(t, 0) + offsets(0, b), so a kernel can
+// walk a tile from its first block. d counts fp16 scales from the matrix's first byte, q
+// bytes from the first block's bytes (PackedMat).
 struct TileOffsets {
     int64_t d, q;           // the block's first scale and first byte
 };
 constexpr TileOffsets tile_offsets(int fmt, int nb, int64_t tile, int b) {
-    const int64_t tb = tile * nb + b;
-    return {tb * TILE, tb * TILE * block_bytes(fmt)};
+    const int64_t at = tile * packed_tile_bytes(fmt, nb) + b / 2 * pair_bytes(fmt);
+    return {(at + b % 2 * TILE * SCALE_BYTES) / SCALE_BYTES, at + b % 2 * block_chunks(fmt) * CHUNK};
 }
 // Row `lane`'s bytes of chunk c, from the block's first byte.
 constexpr int chunk_offset(int c, int lane) { return c * CHUNK + lane * CHUNK_ROW; }
 
-static_assert(tile_offsets(FMT_Q4, 1, 0, 1).q == block_chunks(FMT_Q4) * CHUNK &&
-              tile_offsets(FMT_Q8, 1, 0, 1).q == block_chunks(FMT_Q8) * CHUNK,
-              "a block's bytes are its chunks, back to back");
+static_assert(tile_offsets(FMT_Q4, 2, 0, 1).q == block_chunks(FMT_Q4) * CHUNK &&
+              tile_offsets(FMT_Q8, 2, 0, 2).q == pair_bytes(FMT_Q8) &&
+              tile_offsets(FMT_Q4, 3, 1, 0).q == 2 * PAIR_SCALES + 3 * block_chunks(FMT_Q4) * CHUNK &&
+              tile_offsets(FMT_Q4, 3, 0, 1).d == TILE,
+              "a pair's blocks back to back after its scales; an odd tile's last line of scales half used");
 
 // ----------------------------------------------------------------------------
 // fp16 <-> fp32, round to nearest even (what numpy's astype(float16) does)

@@ -86,15 +86,11 @@ constexpr int ATT_WINDOW_BLOCK = 32;
 
 struct Tuning {
     // The SIMD kernels ask for their weight stream this far ahead, in bytes of a 4-bit stream
-    // (an 8-bit one goes as many blocks ahead): one token into L1, per format (on one core of a
-    // Zen 4 an 8-bit stream ran faster with no request at all); k >= 2 into L1 and into L2.
-    int prefetch_k1 = 8192, prefetch_k1_q8 = 8192;
+    // (an 8-bit one goes as many blocks ahead): one token into L1, per format, 0 for no request
+    // (on a Zen 4 the hardware prefetcher alone kept one stream fastest); k >= 2 into L1 and L2.
+    int prefetch_k1 = 0, prefetch_k1_q8 = 0;
     int prefetch_l1_k = 4096;
     int prefetch_l2_k = 16384;
-    // Whether they ask for the scales region's stream too, as many blocks ahead as for the
-    // bytes (else the hardware prefetcher alone fetches it); into L2 rather than L1 where
-    // the L1 requests cost a one-token pass more than they bring.
-    bool prefetch_scales = true, scales_into_l2 = false;
     // Whether 2, 3 or 4 tokens of a format take the single-token scheme (one token always does;
     // past four the arithmetic binds as much as the stream, and the k >= 2 scheme stays).
     bool q4_single_k2 = false, q4_single_k3 = false, q4_single_k4 = false;
@@ -139,11 +135,13 @@ struct QMat {
 QMat make_qmat(int fmt, int rows, int cols, const uint16_t* d, const uint8_t* q);
 
 // The kernels' layout: rows in tiles of 16, so each register lane holds one row and a
-// block's dot product needs no horizontal sum. Still split: scales, then bytes.
-//   d: [tile][block][16 rows] fp16
-//   q: [tile][block][chunk][16 rows][4 bytes], chunks of four bytes of the row's block
+// block's dot product needs no horizontal sum. One stream: in a tile, its blocks go in pairs,
+// each pair a cache line of scales, then the two blocks' bytes (formats.h, tile_offsets):
+//   scales of a block: [16 rows] fp16
+//   bytes of a block:  [chunk][16 rows][4 bytes], chunks of four bytes of the row's block
 //      (4 chunks for q4, nibbles as stored; 8 for q8, stored as q + 128)
-// Rows past the end of the last tile are zero.
+// d points at the matrix's first byte, q at the first block's bytes, a line further.
+// Rows past the end of the last tile, and a tile's last line of scales past an odd block, are zero.
 constexpr int TILE = 16;
 
 struct PackedMat {
@@ -187,7 +185,7 @@ private:
 };
 int64_t packed_scale_count(int rows, int cols);   // fp16 scales in the packed layout
 int64_t packed_byte_count(int fmt, int rows, int cols);
-int64_t packed_nbytes(int fmt, int rows, int cols);     // scales and bytes: what a pass reads
+int64_t packed_nbytes(int fmt, int rows, int cols);     // the whole region: what a pass reads
 
 // k tokens of one matmul input, quantized once to 8-bit blocks, with each block's
 // offset corrections (-8 sum and -128 sum) ready to broadcast.
@@ -244,7 +242,7 @@ int bench_matmul_slices(const PackedMat& W, int slice_tiles, const QActs& A, flo
 // ----------------------------------------------------------------------------
 
 enum Arch : uint32_t { ARCH_QWEN3 = 1, ARCH_QWEN2 = 2, ARCH_LLAMA = 3 };
-constexpr uint32_t MODEL_FILE_VERSION = 1;
+constexpr uint32_t MODEL_FILE_VERSION = 2;
 
 struct FileHeader {                 // 256 bytes at offset 0, little endian
     char magic[8];                  // "LABMODEL"
@@ -269,9 +267,9 @@ struct TensorEntry {                // 128 bytes
     uint32_t fmt;                   // Format
     uint32_t ndim;                  // 1 or 2
     uint64_t rows, cols;            // 1-D tensors: rows = 1
-    uint64_t offset;                // absolute; scales region first for q8/q4 (packed tiles)
-    uint64_t scales_bytes;          // 0 for f32
-    uint64_t data_bytes;            // the bytes region (f32: 4 * rows * cols)
+    uint64_t offset;                // absolute; q8/q4: the packed tiles, scales and bytes in one region
+    uint64_t scales_bytes;          // the scales among them; 0 for f32
+    uint64_t data_bytes;            // the bytes among them (f32: 4 * rows * cols)
 };
 
 class ModelFile {

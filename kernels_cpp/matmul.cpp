@@ -41,7 +41,7 @@ static void store_tile(const PackedMat& W, float* y, int64_t ldy, int tile, int 
 // the stream, so it asks prefetch_k1 ahead into L1 and nothing more: a further request into
 // L2 slowed it. Several tokens are bound by arithmetic as much as by the stream, and the
 // hardware prefetcher falls behind a stream read that slowly, so they ask into L2 far ahead
-// and into L1 near. The scales region, a second stream, goes as many blocks ahead as the bytes.
+// and into L1 near. The scales lie in the same stream (formats.h, tile_offsets).
 // ============================================================================
 
 // Whether k tokens of a format take the single-token scheme: one token, and two to four
@@ -57,36 +57,26 @@ static inline bool stream_bound(int fmt, int k, const Tuning& tn) {
     }
 }
 
-// A cache line of scales serves this many blocks of a tile.
-constexpr int BLOCKS_PER_SCALE_LINE = 64 / (TILE * 2);
-
-// One kernel call's requests ahead, in bytes from a block's first byte and first scale.
+// One kernel call's requests ahead, in bytes from a block's first byte.
 struct StreamAhead {
-    int64_t l1 = 0, l2 = 0, scales = 0;    // 0 for none
-    bool scales_l2 = false;                // the scales' line into L2, not L1
+    int64_t l1 = 0, l2 = 0;    // 0 for none
 
     StreamAhead(int fmt, bool single, const Tuning& tn) {
         const int ch = block_chunks(fmt);
         const int k1 = fmt == FMT_Q8 ? tn.prefetch_k1_q8 : tn.prefetch_k1;
         l1 = (int64_t)(single ? k1 : tn.prefetch_l1_k) * ch / 4;
         l2 = single ? 0 : (int64_t)tn.prefetch_l2_k * ch / 4;
-        scales = tn.prefetch_scales ? l1 / (ch * CHUNK) * TILE * 2 : 0;   // a block's scales: TILE fp16
-        scales_l2 = tn.scales_into_l2;
     }
 
-    // Block b's requests: its CH chunks' lines `l1` (and `l2`) ahead, and every
-    // BLOCKS_PER_SCALE_LINE blocks the scales' line.
+    // A block's requests: its CH chunks' lines `l1` (and `l2`) ahead; the line of scales
+    // among them comes with the stream's next pair.
     // always inlined: a call would make the kernel spill its vector registers around it
     template <int CH>
-    __attribute__((always_inline)) inline void block(const uint8_t* qb, const uint16_t* db, int b) const {
+    __attribute__((always_inline)) inline void block(const uint8_t* qb) const {
         if (l1)
             for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + l1 + g * CHUNK), _MM_HINT_T0);
         if (l2)
             for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + l2 + g * CHUNK), _MM_HINT_T2);
-        if (scales && b % BLOCKS_PER_SCALE_LINE == 0) {
-            if (scales_l2) _mm_prefetch((const char*)db + scales, _MM_HINT_T1);
-            else _mm_prefetch((const char*)db + scales, _MM_HINT_T0);
-        }
     }
 };
 
@@ -242,7 +232,7 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
         const TileOffsets at = tile_offsets(FMT, nb, 0, b);     // from the tile's start
         const uint8_t* qb = qt + at.q;
         // the weights stream from memory once: ask for them well before they are needed
-        if (PREFETCH_AHEAD) ahead.block<CH>(qb, dt + at.d, b);
+        if (PREFETCH_AHEAD) ahead.block<CH>(qb);
         const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(dt + at.d)));
         __m512i w[8];                                   // w[j] meets activation bytes 4j..4j+3
         for (int g = 0; g < CH; g++) {

@@ -96,7 +96,8 @@ bool ModelFile::check_tensor(const TensorEntry& e, uint32_t i, const FileHeader&
     }
     if (e.scales_bytes != want_s || e.data_bytes != want_d)
         return fail("tensor %s's sizes do not match its shape", e.name);
-    const uint64_t span = (uint64_t)line_up((int64_t)want_s) + e.data_bytes;      // both bounded above
+    const uint64_t span = e.fmt == FMT_Q8 || e.fmt == FMT_Q4
+                              ? (uint64_t)packed_nbytes((int)e.fmt, (int)e.rows, (int)e.cols) : want_d;  // bounded above
     if (e.offset % 64 || e.offset < h.data_offset || e.offset - h.data_offset > h.data_size ||
         span > h.data_size - (e.offset - h.data_offset))
         return fail("tensor %s lies outside the data region", e.name);
@@ -162,7 +163,7 @@ const TensorEntry* ModelFile::find(const char* name) const {
 PackedMat ModelFile::matrix(const TensorEntry* e) const {
     const uint8_t* p = data(e);
     return PackedMat{(int)e->fmt, (int)e->rows, (int)e->cols, (int)tile_count((int64_t)e->rows),
-                     (const uint16_t*)p, p + line_up((int64_t)e->scales_bytes)};
+                     (const uint16_t*)p, p + PAIR_SCALES};
 }
 
 }  // namespace lab

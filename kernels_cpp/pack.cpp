@@ -19,7 +19,7 @@ int64_t packed_byte_count(int fmt, int rows, int cols) {
 }
 
 int64_t packed_nbytes(int fmt, int rows, int cols) {
-    return packed_scale_count(rows, cols) * SCALE_BYTES + packed_byte_count(fmt, rows, cols);
+    return tile_count(rows) * packed_tile_bytes(fmt, cols / QK);
 }
 
 // Big matrices go on 2 MB pages where the kernel allows: a decode step walks every byte
@@ -41,14 +41,20 @@ int64_t Packed::nbytes() const {
     return mem_ ? packed_nbytes(m_.fmt, m_.rows, m_.cols) : 0;
 }
 
-// A fresh packed matrix's memory in mem (the old one freed): its scales, then its bytes on a
-// line of their own.
-static void take_regions(void*& mem, int fmt, int rows, int cols, uint16_t** d, uint8_t** q) {
-    const int64_t dbytes = line_up(packed_scale_count(rows, cols) * SCALE_BYTES);
+// A fresh packed matrix's memory in mem (the old one freed), zeroed, and its d and q
+// (PackedMat); every block's bytes set to `fill` in every row.
+static void take_regions(void*& mem, int fmt, int rows, int cols, uint8_t fill, uint16_t** d, uint8_t** q) {
+    const int64_t n = packed_nbytes(fmt, rows, cols);
     std::free(mem);
-    mem = alloc_huge((size_t)(dbytes + line_up(packed_byte_count(fmt, rows, cols))));
+    mem = alloc_huge((size_t)n);
+    std::memset(mem, 0, (size_t)n);
     *d = (uint16_t*)mem;
-    *q = (uint8_t*)mem + dbytes;
+    *q = (uint8_t*)mem + PAIR_SCALES;
+    const int nb = cols / QK;
+    if (fill)
+        for (int64_t t = 0; t < tile_count(rows); t++)
+            for (int b = 0; b < nb; b++)
+                std::memset(*q + tile_offsets(fmt, nb, t, b).q, fill, (size_t)block_chunks(fmt) * CHUNK);
 }
 
 int Packed::pack(const QMat& W) {
@@ -58,19 +64,16 @@ int Packed::pack(const QMat& W) {
     const int bpb = block_bytes(W.fmt), chunks = block_chunks(W.fmt);
     uint16_t* d;
     uint8_t* q;
-    take_regions(mem_, W.fmt, W.rows, W.cols, &d, &q);
     const uint8_t flip = W.fmt == FMT_Q8 ? 0x80 : 0;   // q8 bytes enter vpdpbusd unsigned
+    take_regions(mem_, W.fmt, W.rows, W.cols, flip, &d, &q);
     for (int t = 0; t < tiles; t++) {
         for (int b = 0; b < nb; b++) {
             const TileOffsets at = tile_offsets(W.fmt, nb, t, b);
             uint8_t* dst = q + at.q;
             for (int i = 0; i < TILE; i++) {
                 const int r = t * TILE + i;
-                if (r >= W.rows) {
-                    d[at.d + i] = 0;
-                    for (int c = 0; c < chunks; c++) std::memset(dst + chunk_offset(c, i), flip, CHUNK_ROW);
-                    continue;
-                }
+                if (r >= W.rows) continue;      // zero scale, the zero byte: take_regions
+
                 d[at.d + i] = W.d[(int64_t)r * nb + b];
                 const uint8_t* src = W.q + ((int64_t)r * nb + b) * bpb;
                 for (int c = 0; c < chunks; c++)
@@ -88,12 +91,9 @@ int Packed::gather(const PackedMat& src, const int32_t* rows, int n) {
     for (int i = 0; i < n; i++)
         if (rows[i] < 0 || rows[i] >= src.rows) return MM_SHAPE;
     const int nb = src.cols / QK, tiles = (int)tile_count(n), chunks = block_chunks(src.fmt);
-    const int64_t ns = packed_scale_count(n, src.cols), nq = packed_byte_count(src.fmt, n, src.cols);
     uint16_t* d;
     uint8_t* q;
-    take_regions(mem_, src.fmt, n, src.cols, &d, &q);
-    std::memset(d, 0, (size_t)ns * SCALE_BYTES);            // rows past n: zero scales, the zero byte
-    std::memset(q, src.fmt == FMT_Q8 ? 0x80 : 0, (size_t)nq);
+    take_regions(mem_, src.fmt, n, src.cols, src.fmt == FMT_Q8 ? 0x80 : 0, &d, &q);    // rows past n: zero
     for (int i = 0; i < n; i++) {
         const int st = rows[i] / TILE, sl = rows[i] % TILE, dt = i / TILE, dl = i % TILE;
         for (int b = 0; b < nb; b++) {

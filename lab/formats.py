@@ -174,30 +174,46 @@ def quantize(x: np.ndarray, fmt: str, name: str = "x") -> QTensor:
 TILE = 16
 
 
-def pack_tiles(W: QTensor) -> tuple[np.ndarray, np.ndarray]:
-    """Split layout -> (scales [tiles, nb, 16] uint16, bytes [tiles, nb, chunks, 16, 4] uint8),
-    byte for byte what the C++ Packed holds: rows padded with zeros, q8 bytes stored + 128."""
+PAIR_SCALES = 2 * TILE * 2      # a pair of blocks' fp16 scales: one cache line
+
+
+def pack_tiles(W: QTensor) -> np.ndarray:
+    """Split layout -> the packed region, uint8, byte for byte what the C++ Packed holds: per
+    tile of 16 rows, its blocks in pairs, each a line of scales [2, 16] fp16 then the two
+    blocks' bytes [chunks, 16, 4]; rows padded with zeros, q8 bytes stored + 128, and the
+    second half of an odd last block's line of scales zero."""
     rows, nb = W.d.shape
-    tiles = -(-rows // TILE)
-    chunks = BYTES_PER_BLOCK[W.fmt] // 4
-    d = np.zeros((tiles * TILE, nb), np.uint16)
-    d[:rows] = W.d
-    q = np.zeros((tiles * TILE, nb * chunks * 4), np.uint8)
-    q[:rows] = W.q
+    tiles, pairs, blk = -(-rows // TILE), -(-nb // 2), BYTES_PER_BLOCK[W.fmt] * TILE
+    d = np.zeros((tiles * TILE, 2 * pairs), "<u2")
+    d[:rows, :nb] = W.d
+    q = np.zeros((tiles * TILE, 2 * pairs * blk // TILE), np.uint8)
+    q[:rows, :nb * blk // TILE] = W.q
     if W.fmt == "q8":
-        q ^= 0x80
-    d = d.reshape(tiles, TILE, nb).transpose(0, 2, 1)
-    q = q.reshape(tiles, TILE, nb, chunks, 4).transpose(0, 2, 3, 1, 4)
-    return np.ascontiguousarray(d), np.ascontiguousarray(q)
+        q[:, :nb * blk // TILE] ^= 0x80
+    d = d.reshape(tiles, TILE, pairs, 2).transpose(0, 2, 3, 1).reshape(tiles, pairs, -1).view(np.uint8)
+    q = q.reshape(tiles, TILE, 2 * pairs, blk // TILE // 4, 4).transpose(0, 2, 3, 1, 4).reshape(tiles, pairs, -1)
+    out = np.concatenate([d, q], axis=2).reshape(tiles, -1)
+    return np.ascontiguousarray(out[:, :out.shape[1] - (nb % 2) * blk]).reshape(-1)
 
 
-def unpack_tiles(fmt: str, shape: tuple[int, int], d: np.ndarray, q: np.ndarray) -> QTensor:
+def packed_nbytes(fmt: str, shape: tuple[int, int]) -> int:
+    """The packed region's size (pack_tiles)."""
+    rows, nb = -(-shape[0] // TILE), shape[1] // QK
+    return rows * (-(-nb // 2) * PAIR_SCALES + nb * BYTES_PER_BLOCK[fmt] * TILE)
+
+
+def unpack_tiles(fmt: str, shape: tuple[int, int], region: np.ndarray) -> QTensor:
     """The inverse of pack_tiles."""
     rows, cols = shape
-    nb, chunks = cols // QK, BYTES_PER_BLOCK[fmt] // 4
-    tiles = -(-rows // TILE)
-    d = d.reshape(tiles, nb, TILE).transpose(0, 2, 1).reshape(tiles * TILE, nb)[:rows]
-    q = q.reshape(tiles, nb, chunks, TILE, 4).transpose(0, 3, 1, 2, 4).reshape(tiles * TILE, -1)[:rows]
+    nb, blk = cols // QK, BYTES_PER_BLOCK[fmt] * TILE
+    tiles, pairs = -(-rows // TILE), -(-nb // 2)
+    t = np.zeros((tiles, pairs * (PAIR_SCALES + 2 * blk)), np.uint8)
+    t[:, :t.shape[1] - (nb % 2) * blk] = np.asarray(region, np.uint8).reshape(tiles, -1)
+    t = t.reshape(tiles, pairs, PAIR_SCALES + 2 * blk)
+    d = np.ascontiguousarray(t[:, :, :PAIR_SCALES]).view("<u2").reshape(tiles, pairs, 2, TILE)
+    d = d.transpose(0, 3, 1, 2).reshape(tiles * TILE, 2 * pairs)[:rows, :nb]
+    q = t[:, :, PAIR_SCALES:].reshape(tiles, 2 * pairs, blk // TILE // 4, TILE, 4)
+    q = q.transpose(0, 3, 1, 2, 4).reshape(tiles * TILE, -1)[:rows, :nb * blk // TILE]
     if fmt == "q8":
         q = q ^ 0x80
-    return QTensor(fmt, (rows, cols), aligned_copy(d), aligned_copy(q.astype(np.uint8)))
+    return QTensor(fmt, (rows, cols), aligned_copy(d.astype(np.uint16)), aligned_copy(q.astype(np.uint8)))

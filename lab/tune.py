@@ -2,8 +2,7 @@
 
 The choices (the C++ `Tuning`, kernels_cpp/lab.h): the SIMD kernels' prefetch distances for
 one token (per format) and for k >= 2, whether 2, 3 and 4 tokens take the single-token scheme
-(per format), whether they prefetch the scales region too and into which cache, whether the
-AVX-512 kernel's 2- and 4-token accumulators go through memory (per format), the matrix size
+(per format), whether the AVX-512 kernel's 2- and 4-token accumulators go through memory (per format), the matrix size
 from which the matmul split turns from static halves to guided shares, and the guided split's
 smallest share (both judged on quiet cores and with one core shared with a co-runner,
 lab.slowcore, keeping the value that holds up on both; the single-token stages likewise on every
@@ -40,8 +39,7 @@ from .slowcore import SlowCore
 SINGLE_K = (2, 3, 4)     # the token counts whose prefetch scheme is chosen, per format
 SINGLE = {f"{fmt}_single_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in SINGLE_K}   # field -> what it moves
 MEM_ACC = {f"{fmt}_mem_acc_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in (2, 4)}      # the AVX-512 path's only
-SCALES = ("prefetch_scales", "scales_into_l2")   # one stage: no request, into L1, into L2
-FLAGS = (*SINGLE, *MEM_ACC, *SCALES)      # the yes/no fields
+FLAGS = (*SINGLE, *MEM_ACC)      # the yes/no fields
 FIELDS = ("prefetch_k1", "prefetch_k1_q8", "prefetch_l1_k", "prefetch_l2_k", *FLAGS, "guided_min_bytes", "guided_from_bytes")
 MB = 1 << 20
 # What the tuner tries besides the default (which it always tries).
@@ -77,7 +75,7 @@ def moves(a: dict, b: dict, k: int) -> bool:
     """Whether a k-token pass can run different kernel code under tunings a and b: a field that
     only moves other token counts leaves it alone (`lab tune --ab` judges only the passes that move)."""
     diff = {f for f in FIELDS if a[f] != b[f]}
-    if diff & {*SCALES, "guided_min_bytes", "guided_from_bytes"}:
+    if diff & {"guided_min_bytes", "guided_from_bytes"}:
         return True
     for fmt, k1 in (("q4", "prefetch_k1"), ("q8", "prefetch_k1_q8")):
         if {f"{fmt}_single_k{k}", f"{fmt}_mem_acc_k{k}"} & diff:
@@ -124,9 +122,6 @@ def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
         **{f: {str(v): {f: v} for v in vs} for f, vs in k1.items()},
         "prefetch_k": {f"{a}/{b}": {"prefetch_l1_k": a, "prefetch_l2_k": b} for a, b in pairs},
         **{f: {str(v).lower(): {f: v} for v in (False, True)} for f in (*SINGLE, *MEM_ACC)},
-        "prefetch_scales": {"none": {"prefetch_scales": False, "scales_into_l2": False},
-                            "l1": {"prefetch_scales": True, "scales_into_l2": False},
-                            "l2": {"prefetch_scales": True, "scales_into_l2": True}},
         "guided_from_bytes": {str(v): {"guided_from_bytes": v} for v in froms},
         "guided_min_bytes": {str(v): {"guided_min_bytes": v} for v in mins},
     }
@@ -355,8 +350,7 @@ def _stage_samplers(b: _Bench) -> dict[str, Callable[[], list[float]]]:
     """What each prefetch stage times: the kernels whose speed its values move."""
     return {"prefetch_k1": lambda: b.matmul("q4", 1), "prefetch_k1_q8": lambda: b.matmul("q8", 1),
             "prefetch_k": lambda: b.both(4),
-            **{f: (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for f, (fmt, k) in (SINGLE | MEM_ACC).items()},
-            "prefetch_scales": lambda: b.both(1)}     # where the stream binds most: decode
+            **{f: (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for f, (fmt, k) in (SINGLE | MEM_ACC).items()}}
 
 
 def _threshold_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
@@ -399,7 +393,7 @@ SPLIT_TIMERS = {"guided_from_bytes": _threshold_times, "guided_min_bytes": _shar
 # The single-token stream's stages, timed on every thread and again on one, each round's ratio the
 # worse of the two: where the threads do not share one link to memory, as when a hypervisor
 # puts two vCPUs on different dies, each core's own memory parallelism binds (docs/tuning.md).
-ONE_THREAD = ("prefetch_k1", "prefetch_k1_q8", "prefetch_scales")
+ONE_THREAD = ("prefetch_k1", "prefetch_k1_q8")
 
 
 def _worse_of(timings: list[dict[str, list[float]]], default: str) -> dict[str, list[float]]:

@@ -141,17 +141,23 @@ def test_export_round_trips(tmp_path, name, scheme):
     assert nat.header().num_layers == c.num_layers and nat.find(b"layers.0.qkv").rows == hd + 2 * kv
 
 
-def test_packed_tiles_match_cpp(rng):
+@pytest.mark.parametrize("shape", [(37, 96), (16, 128), (5, 32)])     # odd and even blocks a row
+def test_packed_tiles_match_cpp(rng, shape):
     for fmt in ("q4", "q8"):
-        W = formats.quantize(rng.standard_normal((37, 96)).astype(np.float32), fmt)
-        d, q = formats.pack_tiles(W)
+        W = formats.quantize(rng.standard_normal(shape).astype(np.float32), fmt)
+        region = formats.pack_tiles(W)
+        assert region.size == formats.packed_nbytes(fmt, shape) \
+            == native.lib().packed_nbytes(native.consts().formats[fmt], *shape)
         P = kernels.pack(W)                       # keep the owner alive while reading its view
         v = P.view()
-        dv, qv = v.d, v.q
-        dv.reshape((d.size,))
-        qv.reshape((q.size,))
-        assert np.frombuffer(dv, np.uint16).tobytes() == d.tobytes()
-        assert np.frombuffer(qv, np.uint8).tobytes() == q.tobytes()
+        dv, qv = v.d, v.q                         # qv: the first block's bytes, a line of scales on
+        dv.reshape((region.size // 2,))
+        qv.reshape((1,))
+        d, q = np.frombuffer(dv, np.uint8), np.frombuffer(qv, np.uint8)
+        assert d.tobytes() == region.tobytes()
+        assert q.__array_interface__["data"][0] - d.__array_interface__["data"][0] == formats.PAIR_SCALES
+        back = formats.unpack_tiles(fmt, shape, region)
+        assert np.array_equal(back.d, W.d) and np.array_equal(back.q, W.q)
 
 
 @pytest.fixture

@@ -84,7 +84,7 @@ def test_prefetch_states_times_each_value_and_restores_the_tuning():
     rounds = ps.measure(e, "prefetch_k1", [4096, 8192], 2, 32, read_mb=8, progress=False)
     assert tune.current() == before
     assert [sorted(x["ms"]) for x in rounds] == [[4096, 8192]] * 2
-    assert sorted(ps.measure(e, "prefetch_scales", [False, True], 1, 32, read_mb=8, progress=False)[0]["ms"]) \
+    assert sorted(ps.measure(e, "q4_single_k2", [False, True], 1, 32, read_mb=8, progress=False)[0]["ms"]) \
         == [False, True]
     assert all(x["read_before"] > 0 and all(v > 0 for v in x["ms"].values()) for x in rounds)
 
@@ -95,11 +95,11 @@ def test_prefetch_states_sweeps_on_a_base_and_restores_the_tuning():
     from lab.models.export import engine_file
     before = tune.current()
     e = Engine(engine_file("tiny-qwen2"), threads=1, max_context=128)
-    base = {"prefetch_scales": not before["prefetch_scales"]}
+    base = {"q4_single_k2": not before["q4_single_k2"]}
     assert len(ps.measure(e, "prefetch_k1", [8192], 1, 32, read_mb=8, progress=False, base=base)) == 1
     assert tune.current() == before
-    assert ps.parse_value("prefetch_scales", "false") is False and ps.parse_value("prefetch_k1", "4096") == 4096
-    for field, text in (("prefetch_scales", "no"), ("prefetch_k1", "4k"), ("not_a_field", "1")):
+    assert ps.parse_value("q4_single_k2", "false") is False and ps.parse_value("prefetch_k1", "4096") == 4096
+    for field, text in (("q4_single_k2", "no"), ("prefetch_k1", "4k"), ("not_a_field", "1")):
         with pytest.raises((KeyError, ValueError)):
             ps.parse_value(field, text)
 

@@ -9,7 +9,7 @@ STEADY fall in the band of their read; per band: each value's median ms, its med
 per-round ratio to the engine's default, and the pass's share of the read ceiling.
 
     .venv/bin/python tools/prefetch_states.py [--field prefetch_k1 --values 4096,8192,16384]
-        [--rounds 120] [--bands 45,60] [--base prefetch_scales=false] [--json]
+        [--rounds 120] [--bands 45,60] [--base prefetch_k1_q8=8192] [--json]
 """
 from __future__ import annotations
 
@@ -95,7 +95,7 @@ def main(argv=None) -> int:
                    "(whole numbers, or false,true for a yes/no field); its default is always timed")
     p.add_argument("--rounds", type=int, default=120)
     p.add_argument("--bands", default="45,60", help="read GB/s where one band ends and the next begins")
-    p.add_argument("--base", default="", help="other fields' values for the sweep, e.g. prefetch_scales=false")
+    p.add_argument("--base", default="", help="other fields' values for the sweep, e.g. prefetch_k1_q8=8192")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)

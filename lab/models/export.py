@@ -2,9 +2,8 @@
 
 Layout (kernels_cpp/lab.h, FileHeader and TensorEntry): a 256-byte header with the
 architecture, a directory of 128-byte tensor entries, a JSON blob for Python, then a
-64-byte-aligned data region. Each quantized tensor is its scales region then its bytes
-region, both in the kernels' tile layout, so the engine maps the file and runs on it
-as is. q/k/v are fused into one matrix, and gate/up into another.
+64-byte-aligned data region. Each quantized tensor is one region in the kernels' tile
+layout (formats.pack_tiles), so the engine maps the file and runs on it as is. q/k/v are fused into one matrix, and gate/up into another.
 """
 from __future__ import annotations
 
@@ -79,16 +78,15 @@ def _fmt(name: str) -> int:
     return native.consts().formats[name]
 
 
-def _regions(t) -> tuple[int, list[bytes], tuple[int, int], int]:
-    """-> (format id, [scales, bytes] or [floats], (rows, cols), ndim)."""
+def _region(t) -> tuple[int, bytes, tuple[int, int], int]:
+    """-> (format id, the packed tiles or the floats, (rows, cols), ndim)."""
     if isinstance(t, formats.QTensor):
-        d, q = formats.pack_tiles(t)
-        return _fmt(t.fmt), [d.tobytes(), q.tobytes()], t.shape, 2
+        return _fmt(t.fmt), formats.pack_tiles(t).tobytes(), t.shape, 2
     if isinstance(t, np.ndarray) and t.dtype == np.int32:     # token ids
-        return _fmt("i32"), [t.astype("<i4").tobytes()], (1, t.size), 1
+        return _fmt("i32"), t.astype("<i4").tobytes(), (1, t.size), 1
     a = np.ascontiguousarray(t, np.float32) if isinstance(t, np.ndarray) else t.detach().float().contiguous().numpy()
     shape = (1, a.shape[0]) if a.ndim == 1 else a.shape
-    return _fmt("f32"), [a.astype("<f4").tobytes()], shape, a.ndim
+    return _fmt("f32"), a.astype("<f4").tobytes(), shape, a.ndim
 
 
 def export(config: ModelConfig, weights: dict, path: str | Path, scheme: str = "q4-q8out",
@@ -146,14 +144,14 @@ def write(config: ModelConfig, tensors: dict, path: str | Path, meta: dict | Non
     for name, t in tensors.items():
         if len(name.encode()) >= 80:
             raise ValueError(f"tensor name {name!r} is too long for the file's 80-byte field")
-        fmt, regions, (rows, cols), ndim = _regions(t)
-        start = off
-        scales = len(regions[0]) if fmt in (_fmt("q8"), _fmt("q4")) else 0
-        for r in regions:
-            chunks.append((off, r))
-            off = _align(off + len(r))
-        data = len(regions[-1])
-        entries.append(ENTRY.pack(name.encode(), fmt, ndim, rows, cols, start, scales, data))
+        fmt, region, (rows, cols), ndim = _region(t)
+        scales, data = 0, len(region)
+        if isinstance(t, formats.QTensor):          # the scales' and the bytes' shares of the tiles
+            padded = -(-rows // formats.TILE) * formats.TILE
+            scales, data = padded * t.d.shape[1] * 2, padded * t.q.shape[1]
+        entries.append(ENTRY.pack(name.encode(), fmt, ndim, rows, cols, off, scales, data))
+        chunks.append((off, region))
+        off = _align(off + len(region))
     data_size = off - data_offset
     tmp = path.with_name(path.name + ".partial")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -219,9 +217,8 @@ def read(path: str | Path) -> ModelFile:
             tensors[name] = a.reshape((cols,) if ndim == 1 else (rows, cols)).copy()
         else:
             fname = {1: "q8", 2: "q4"}[fmt]
-            d = np.frombuffer(raw, np.uint16, sb // 2, off)
-            q = np.frombuffer(raw, np.uint8, db, off + _align(sb))
-            tensors[name] = formats.unpack_tiles(fname, (rows, cols), d, q)
+            region = np.frombuffer(raw, np.uint8, formats.packed_nbytes(fname, (rows, cols)), off)
+            tensors[name] = formats.unpack_tiles(fname, (rows, cols), region)
     return ModelFile(path, hd, config, meta, tensors)
 
 
@@ -290,17 +287,26 @@ def content_id(path: str | Path) -> str:
     return HEADER.unpack(raw)[-2].hex()
 
 
+def _version(path: Path) -> int | None:
+    """A weights file's version; None where it is not one (opening it says why)."""
+    with open(path, "rb") as f:
+        raw = f.read(HEADER.size)
+    return HEADER.unpack(raw)[1] if len(raw) == HEADER.size and raw[:8] == MAGIC else None
+
+
 def engine_file(name: str, scheme: str = "q4-q8out", progress: bool = True) -> Path:
     """The engine's file for a registry model (or tiny model) under a scheme, exported
-    once into the model cache."""
+    into the model cache once, and again when the engine reads a newer file version."""
+    import sys
     from .load import load
     from .registry import models_dir
     out = models_dir() / name / f"{scheme}.lab"
-    if out.exists():
+    was = _version(out) if out.exists() else 0
+    if was in (None, native.consts().file_version):
         return out
     if progress:
-        import sys
-        print(f"exporting {name} as {scheme} ...", file=sys.stderr)
+        again = f" again (its file is version {was}; this engine reads {native.consts().file_version})" if was else ""
+        print(f"exporting {name} as {scheme}{again} ...", file=sys.stderr)
     m = load(name, tokenizer=True)
     meta = {"source": name, "tokenizer": str(m.folder) if m.folder else None}
     return export(m.config, m.weights, out, scheme, meta)
