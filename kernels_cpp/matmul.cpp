@@ -68,15 +68,16 @@ struct StreamAhead {
         l2 = single ? 0 : (int64_t)tn.prefetch_l2_k * ch / 4;
     }
 
-    // A block's requests: its CH chunks' lines `l1` (and `l2`) ahead; the line of scales
-    // among them comes with the stream's next pair.
+    // Block b's requests: its CH chunks' lines `l1` (and `l2`) ahead, and, for the first block
+    // of a pair, the pair's line of scales before them: every line of the stream once.
     // always inlined: a call would make the kernel spill its vector registers around it
     template <int CH>
-    __attribute__((always_inline)) inline void block(const uint8_t* qb) const {
+    __attribute__((always_inline)) inline void block(const uint8_t* qb, int b) const {
+        const int g0 = b % 2 ? 0 : -1;
         if (l1)
-            for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + l1 + g * CHUNK), _MM_HINT_T0);
+            for (int g = g0; g < CH; g++) _mm_prefetch((const char*)(qb + l1 + g * CHUNK), _MM_HINT_T0);
         if (l2)
-            for (int g = 0; g < CH; g++) _mm_prefetch((const char*)(qb + l2 + g * CHUNK), _MM_HINT_T2);
+            for (int g = g0; g < CH; g++) _mm_prefetch((const char*)(qb + l2 + g * CHUNK), _MM_HINT_T2);
     }
 };
 
@@ -232,7 +233,7 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
         const TileOffsets at = tile_offsets(FMT, nb, 0, b);     // from the tile's start
         const uint8_t* qb = qt + at.q;
         // the weights stream from memory once: ask for them well before they are needed
-        if (PREFETCH_AHEAD) ahead.block<CH>(qb);
+        if (PREFETCH_AHEAD) ahead.block<CH>(qb, b);
         const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(dt + at.d)));
         __m512i w[8];                                   // w[j] meets activation bytes 4j..4j+3
         for (int g = 0; g < CH; g++) {

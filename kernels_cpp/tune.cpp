@@ -6,15 +6,13 @@
 #include "formats.h"
 #include "threadpool.h"
 
-#ifndef LAB_PREFETCH
-#define LAB_PREFETCH 8192       // a build flag for sweeps (lab/native.py)
-#endif
-
 namespace lab {
 
 Tuning default_tuning() {
     Tuning t;
+#ifdef LAB_PREFETCH     // a build flag for sweeps (lab/native.py)
     t.prefetch_k1 = t.prefetch_k1_q8 = LAB_PREFETCH;
+#endif
     // the two machines first measured: Intel's 4-bit matrices gained from the single-token scheme
     // at k = 2, AMD's lost (docs/tuning.md); `lab tune` measures it, and larger k, on each CPU
     t.q4_single_k2 = std::strcmp(cpu_info().vendor, "GenuineIntel") == 0;

@@ -39,14 +39,14 @@ def cache_dir() -> Path:
 
 
 def flags() -> list[str]:
-    """The build flags; LAB_PREFETCH=<bytes> overrides the SIMD kernels' single-token
-    prefetch distance in a 4-bit stream (8192; twice that in an 8-bit one), for sweeps: each
-    value is its own cached build."""
+    """The build flags; LAB_PREFETCH=<bytes> overrides the SIMD kernels' default single-token
+    prefetch distance in a 4-bit stream (Tuning in kernels_cpp/lab.h; 0: no request), for
+    sweeps: each value is its own cached build."""
     v = os.environ.get("LAB_PREFETCH")
     if not v:
         return FLAGS
-    if not v.isdigit() or not 0 < int(v) <= 1 << 16:
-        raise NativeBuildError(f"LAB_PREFETCH={v!r}: give a distance in bytes, 1..65536")
+    if not v.isdigit() or not 0 <= int(v) <= 1 << 16:
+        raise NativeBuildError(f"LAB_PREFETCH={v!r}: give a distance in bytes, 0..65536")
     return [*FLAGS, f"-DLAB_PREFETCH={int(v)}"]
 
 
