@@ -101,11 +101,11 @@ def trimmed_draft_file(draft_name: str, target_name: str, n: int, fmt: str = "q4
     """The draft's engine file with its output layer trimmed to the n top-ranked tokens for
     this target (in fmt), exported once into the model cache."""
     from .engine import Engine
-    from .models.export import engine_file, export
+    from .models.export import engine_file, export, up_to_date
     from .models.load import load
     from .models.registry import models_dir
     out = models_dir() / draft_name / f"{scheme}-v{n}{fmt}-for-{target_name}.lab"
-    if out.exists():
+    if up_to_date(out):
         return out
     target = Engine(engine_file(target_name, progress=progress), max_context=4096)
     m = load(draft_name, tokenizer=True)

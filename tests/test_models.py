@@ -276,3 +276,22 @@ def test_torch_fake_quant_weight_equals_the_formats(fmt):
             else formats.dequantize_q4(*formats.quantize_q4(w))).reshape(w.shape)
     got = fake_quant_weight(torch.from_numpy(w), fmt).numpy()
     assert np.array_equal(got, want)
+
+
+def test_a_cached_file_of_an_older_version_is_exported_again(good_file, tmp_path, monkeypatch):
+    assert ex.up_to_date(good_file) and not ex.up_to_date(tmp_path / "absent.lab")
+    old = tmp_path / "old.lab"
+    raw = bytearray(good_file.read_bytes())
+    raw[8:12] = (native.consts().file_version - 1).to_bytes(4, "little")     # the header's version
+    old.write_bytes(raw)
+    assert not ex.up_to_date(old)
+    with pytest.raises(ex.ModelFileError, match="export it again"):
+        ex.open_native(old)
+    junk = tmp_path / "junk.lab"
+    junk.write_bytes(b"not a weights file")
+    assert ex.up_to_date(junk)         # kept, so that opening it says what is wrong
+    monkeypatch.setenv("LAB_MODELS", str(tmp_path / "models"))
+    cached = tmp_path / "models" / "tiny-qwen2" / "q4-q8out.lab"
+    cached.parent.mkdir(parents=True)
+    cached.write_bytes(raw)
+    assert ex.engine_file("tiny-qwen2", progress=False) == cached and ex.up_to_date(cached)

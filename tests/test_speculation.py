@@ -260,7 +260,7 @@ def test_costs_are_measured_again_for_another_engine_build_or_tuning(files, pool
     monkeypatch.undo()
     before = tune.current()
     try:
-        tune.apply({**before, "prefetch_k1": before["prefetch_k1"] * 2})
+        tune.apply({**before, "prefetch_k1": before["prefetch_k1"] + 4096})
         assert P.costs_path(target, None) != here
     finally:
         tune.apply(before)

@@ -3,7 +3,7 @@
 // layout before file version 2), and "pairs", each pair of blocks a line of scales and then
 // its bytes (one stream, the layout now). Each walk is the one-token kernel's work (unpack,
 // vpdpbusd, scale, accumulate) or its loads alone, with no software prefetch or 8 KB ahead
-// into L1; a plain read of as many bytes is the ceiling. Rounds interleave every walk;
+// into L1; the pairs' loads alone are a plain read of one stream, the ceiling. Rounds interleave every walk;
 // medians in GB/s of the matrix's bytes. docs/tuning.md, "One stream", has a Zen 4's answers.
 //   g++ -O3 -march=native -pthread tools/stream_layouts.cpp -o /tmp/layouts && /tmp/layouts 30
 #include <immintrin.h>
@@ -24,12 +24,11 @@ constexpr int64_t TILES = 8192;            // 16 rows each: 113 MB, past any las
 constexpr int64_t BLOCKS = NB * TILES;
 constexpr int64_t BYTES = BLOCKS * (256 + 32);     // a block: 16 rows of 16 bytes, 16 fp16 scales
 
-uint8_t *R, *Q, *D;                        // the read loop's buffer; bytes (or pairs) and scales
+uint8_t *Q, *D;                            // the bytes (or the pairs), and the split layout's scales
 alignas(64) int8_t A[NB * 32];
 alignas(64) float AD[NB];
 alignas(64) int32_t CORR[NB];
 alignas(64) float Y[TILES * 16];
-volatile uint64_t sink[2];
 
 // On 2 MB pages, as the engine's weights are.
 static uint8_t* big(size_t n) {
@@ -38,17 +37,6 @@ static uint8_t* big(size_t n) {
     madvise(p, n, MADV_HUGEPAGE);
     memset(p, 0x37, n);
     return p;
-}
-
-static uint64_t read_loop(const uint8_t* p, int64_t n) {
-    __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t i = 0; i + 256 <= n; i += 256) {
-        a0 = _mm512_xor_si512(a0, _mm512_load_si512(p + i));
-        a1 = _mm512_xor_si512(a1, _mm512_load_si512(p + i + 64));
-        a2 = _mm512_xor_si512(a2, _mm512_load_si512(p + i + 128));
-        a3 = _mm512_xor_si512(a3, _mm512_load_si512(p + i + 192));
-    }
-    return _mm512_reduce_add_epi64(_mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3)));
 }
 
 static inline __m512i dp(__m512i s, __m512i w, const int8_t* a) {
@@ -126,11 +114,10 @@ int main(int argc, char** argv) {
     CPU_ZERO(&c);
     CPU_SET(0, &c);
     pthread_setaffinity_np(pthread_self(), sizeof c, &c);
-    R = big(BYTES), Q = big(BYTES + (1 << 20)), D = big(BLOCKS * 32 + (1 << 20));
+    Q = big(BYTES + (1 << 20)), D = big(BLOCKS * 32 + (1 << 20));
     for (int i = 0; i < NB * 32; i++) A[i] = (int8_t)(i % 7 - 3);
     for (int i = 0; i < NB; i++) AD[i] = 0.01f, CORR[i] = -8;
     const Walk walks[] = {
-        {"read loop", [](int64_t, int64_t t0, int64_t t1) { sink[t0 > 0] = read_loop(R + t0 * NB * 288, (t1 - t0) * NB * 288); }, 0},
         {"split: loads alone", walk<false, true>, 0},
         {"split: kernel", walk<false, false>, 0},
         {"split: kernel, 8 KB ahead", walk<false, false>, 8192},

@@ -45,7 +45,7 @@ def run_dir(target, draft_name: str, cfg: TrainConfig, items) -> Path:
 def distill(target, draft_name: str, train_items, held_items, cfg: TrainConfig, scheme: str, progress: bool = True):
     """Trains (or resumes) a student of the stock draft and exports it under `scheme`.
     -> (the Run, the path of the distilled draft's engine file)."""
-    from ..models.export import export
+    from ..models.export import export, up_to_date
     from ..models.load import load
     m = load(draft_name)
     student = Student(m.config, m.weights, cfg.method, cfg.rank, seed=cfg.seed, qat=cfg.qat)
@@ -53,6 +53,6 @@ def distill(target, draft_name: str, train_items, held_items, cfg: TrainConfig, 
     d.mkdir(parents=True, exist_ok=True)
     run = train(student, train_items, held_items, cfg, d / "checkpoint.pt", progress=progress)
     out = d / f"{scheme}.lab"
-    if not out.exists():
+    if not up_to_date(out):
         export(m.config, student.merged_weights(), out, scheme, {"source": draft_name, "distilled": asdict(cfg)})
     return run, out

@@ -287,11 +287,16 @@ def content_id(path: str | Path) -> str:
     return HEADER.unpack(raw)[-2].hex()
 
 
-def _version(path: Path) -> int | None:
-    """A weights file's version; None where it is not one (opening it says why)."""
-    with open(path, "rb") as f:
-        raw = f.read(HEADER.size)
-    return HEADER.unpack(raw)[1] if len(raw) == HEADER.size and raw[:8] == MAGIC else None
+def up_to_date(path: str | Path) -> bool:
+    """Whether a cached weights file can be used as is: it exists and is of the version this
+    engine reads. A file that is no weights file at all counts as up to date, so that opening
+    it says what is wrong instead of an export overwriting it."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(HEADER.size)
+    except FileNotFoundError:
+        return False
+    return len(raw) < HEADER.size or raw[:8] != MAGIC or HEADER.unpack(raw)[1] == native.consts().file_version
 
 
 def engine_file(name: str, scheme: str = "q4-q8out", progress: bool = True) -> Path:
@@ -301,11 +306,10 @@ def engine_file(name: str, scheme: str = "q4-q8out", progress: bool = True) -> P
     from .load import load
     from .registry import models_dir
     out = models_dir() / name / f"{scheme}.lab"
-    was = _version(out) if out.exists() else 0
-    if was in (None, native.consts().file_version):
+    if up_to_date(out):
         return out
     if progress:
-        again = f" again (its file is version {was}; this engine reads {native.consts().file_version})" if was else ""
+        again = " again (its file is of an older version)" if out.exists() else ""
         print(f"exporting {name} as {scheme}{again} ...", file=sys.stderr)
     m = load(name, tokenizer=True)
     meta = {"source": name, "tokenizer": str(m.folder) if m.folder else None}
