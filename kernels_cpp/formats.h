@@ -66,7 +66,7 @@ static_assert(PAIR_SCALES == 64, "a pair's scales fill one cache line");
 constexpr int64_t pair_bytes(int fmt) { return PAIR_SCALES + 2 * block_chunks(fmt) * CHUNK; }
 // A tile's bytes: an odd last block has a pair's line of scales to itself.
 constexpr int64_t packed_tile_bytes(int fmt, int nb) {
-    return (nb + 1) / 2 * PAIR_SCALES + (int64_t)nb * block_chunks(fmt) * CHUNK;
+    return ((int64_t)nb + 1) / 2 * PAIR_SCALES + (int64_t)nb * block_chunks(fmt) * CHUNK;   // nb < 2^26
 }
 
 // Offsets add up: tile t's block b lies at offsets(t, 0) + offsets(0, b), so a kernel can

@@ -73,7 +73,6 @@ int Packed::pack(const QMat& W) {
             for (int i = 0; i < TILE; i++) {
                 const int r = t * TILE + i;
                 if (r >= W.rows) continue;      // zero scale, the zero byte: take_regions
-
                 d[at.d + i] = W.d[(int64_t)r * nb + b];
                 const uint8_t* src = W.q + ((int64_t)r * nb + b) * bpb;
                 for (int c = 0; c < chunks; c++)
