@@ -172,48 +172,43 @@ def quantize(x: np.ndarray, fmt: str, name: str = "x") -> QTensor:
 # ----------------------------------------------------------------------------
 
 TILE = 16
-
-
 PAIR_SCALES = 2 * TILE * 2      # a pair of blocks' fp16 scales: one cache line
+
+
+def packed_nbytes(fmt: str, shape: tuple[int, int]) -> int:
+    """The packed region's size (pack_tiles): per tile a line of scales for each pair of
+    blocks, an odd last block's line to itself, and the blocks' bytes."""
+    tiles, nb = -(-shape[0] // TILE), shape[1] // QK
+    return tiles * (-(-nb // 2) * PAIR_SCALES + nb * BYTES_PER_BLOCK[fmt] * TILE)
 
 
 def pack_tiles(W: QTensor) -> np.ndarray:
     """Split layout -> the packed region, uint8, byte for byte what the C++ Packed holds: per
-    tile of 16 rows, its blocks in pairs, each a line of scales [2, 16] fp16 then the two
-    blocks' bytes [chunks, 16, 4]; rows padded with zeros, q8 bytes stored + 128, and the
-    second half of an odd last block's line of scales zero."""
+    tile of 16 rows, its blocks in pairs, each a line of scales [2 blocks][16 rows] fp16 then
+    the two blocks' bytes [chunk][16 rows][4 bytes]; rows padded with scale 0 and the zero
+    byte, q8 bytes stored + 128, and the second half of an odd last block's line zero."""
     rows, nb = W.d.shape
-    tiles, pairs, blk = -(-rows // TILE), -(-nb // 2), BYTES_PER_BLOCK[W.fmt] * TILE
+    tiles, pairs, bpb = -(-rows // TILE), -(-nb // 2), BYTES_PER_BLOCK[W.fmt]
+    flip = 0x80 if W.fmt == "q8" else 0
     d = np.zeros((tiles * TILE, 2 * pairs), "<u2")
     d[:rows, :nb] = W.d
-    q = np.zeros((tiles * TILE, 2 * pairs * blk // TILE), np.uint8)
-    q[:rows, :nb * blk // TILE] = W.q
-    if W.fmt == "q8":
-        q[:, :nb * blk // TILE] ^= 0x80
-    d = d.reshape(tiles, TILE, pairs, 2).transpose(0, 2, 3, 1).reshape(tiles, pairs, -1).view(np.uint8)
-    q = q.reshape(tiles, TILE, 2 * pairs, blk // TILE // 4, 4).transpose(0, 2, 3, 1, 4).reshape(tiles, pairs, -1)
-    out = np.concatenate([d, q], axis=2).reshape(tiles, -1)
-    return np.ascontiguousarray(out[:, :out.shape[1] - (nb % 2) * blk]).reshape(-1)
-
-
-def packed_nbytes(fmt: str, shape: tuple[int, int]) -> int:
-    """The packed region's size (pack_tiles)."""
-    rows, nb = -(-shape[0] // TILE), shape[1] // QK
-    return rows * (-(-nb // 2) * PAIR_SCALES + nb * BYTES_PER_BLOCK[fmt] * TILE)
+    q = np.full((tiles * TILE, 2 * pairs, bpb), flip, np.uint8)
+    q[:rows, :nb] = W.q.reshape(rows, nb, bpb) ^ flip
+    d = d.reshape(tiles, TILE, pairs, 2).transpose(0, 2, 3, 1)                   # [tile][pair][block][row]
+    q = q.reshape(tiles, TILE, pairs, 2, bpb // 4, 4).transpose(0, 2, 3, 4, 1, 5)  # ... [chunk][row][4]
+    out = np.concatenate([d.reshape(tiles, pairs, -1).view(np.uint8), q.reshape(tiles, pairs, -1)], axis=2)
+    return np.ascontiguousarray(out.reshape(tiles, -1)[:, :packed_nbytes(W.fmt, (TILE, nb * QK))]).reshape(-1)
 
 
 def unpack_tiles(fmt: str, shape: tuple[int, int], region: np.ndarray) -> QTensor:
     """The inverse of pack_tiles."""
     rows, cols = shape
-    nb, blk = cols // QK, BYTES_PER_BLOCK[fmt] * TILE
+    nb, bpb = cols // QK, BYTES_PER_BLOCK[fmt]
     tiles, pairs = -(-rows // TILE), -(-nb // 2)
-    t = np.zeros((tiles, pairs * (PAIR_SCALES + 2 * blk)), np.uint8)
-    t[:, :t.shape[1] - (nb % 2) * blk] = np.asarray(region, np.uint8).reshape(tiles, -1)
-    t = t.reshape(tiles, pairs, PAIR_SCALES + 2 * blk)
+    t = np.zeros((tiles, pairs, PAIR_SCALES + 2 * TILE * bpb), np.uint8)      # an odd tile's missing block: zeros
+    t.reshape(tiles, -1)[:, :packed_nbytes(fmt, (TILE, cols))] = np.asarray(region, np.uint8).reshape(tiles, -1)
     d = np.ascontiguousarray(t[:, :, :PAIR_SCALES]).view("<u2").reshape(tiles, pairs, 2, TILE)
     d = d.transpose(0, 3, 1, 2).reshape(tiles * TILE, 2 * pairs)[:rows, :nb]
-    q = t[:, :, PAIR_SCALES:].reshape(tiles, 2 * pairs, blk // TILE // 4, TILE, 4)
-    q = q.transpose(0, 3, 1, 2, 4).reshape(tiles * TILE, -1)[:rows, :nb * blk // TILE]
-    if fmt == "q8":
-        q = q ^ 0x80
-    return QTensor(fmt, (rows, cols), aligned_copy(d.astype(np.uint16)), aligned_copy(q.astype(np.uint8)))
+    q = t[:, :, PAIR_SCALES:].reshape(tiles, pairs, 2, bpb // 4, TILE, 4).transpose(0, 4, 1, 2, 3, 5)
+    q = q.reshape(tiles * TILE, 2 * pairs, bpb)[:rows, :nb] ^ (0x80 if fmt == "q8" else 0)
+    return QTensor(fmt, (rows, cols), aligned_copy(d.astype(np.uint16)), aligned_copy(q.reshape(rows, -1)))
