@@ -44,7 +44,8 @@ FIELDS = ("prefetch_k1", "prefetch_k1_q8", "prefetch_l1_k", "prefetch_l2_k", *FL
 MB = 1 << 20
 # What the tuner tries besides the default (which it always tries).
 PREFETCH_K1 = (0, 2048, 4096, 8192, 16384)   # per format; 0: the hardware prefetcher alone
-PREFETCH_K = ((2048, 8192), (2048, 16384), (4096, 16384), (4096, 32768), (8192, 32768))
+# k >= 2: (into L1, into L2); 0 into L1 leaves the near lines to the hardware prefetcher
+PREFETCH_K = ((0, 8192), (0, 16384), (2048, 8192), (2048, 16384), (4096, 16384), (4096, 32768), (8192, 32768))
 GUIDED_FROM = (1 * MB, 2 * MB, 4 * MB, 8 * MB, 16 * MB)
 SPLIT_SIZES = (1 * MB, 2 * MB, 4 * MB, 8 * MB)   # the matrix sizes the split threshold is judged on
 GUIDED_MIN = (32 << 10, 64 << 10, 192 << 10, 384 << 10)
