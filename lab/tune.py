@@ -2,12 +2,12 @@
 
 The choices (the C++ `Tuning`, kernels_cpp/lab.h): the SIMD kernels' prefetch distances for
 one token (per format) and for k >= 2, whether 2, 3 and 4 tokens take the single-token scheme
-(per format), whether the AVX-512 kernel's 2- and 4-token accumulators go through memory (per format), the matrix size
-from which the matmul split turns from static halves to guided shares, and the guided split's
-smallest share (both judged on quiet cores and with one core shared with a co-runner,
-lab.slowcore, keeping the value that holds up on both; the single-token stages likewise on every
-thread and on one). None of them changes a result (tests/test_tune.py checks every candidate bit
-for bit); the choices that change arithmetic order stay fixed per kernel path.
+(per format), whether the AVX-512 kernel's 2- and 4-token accumulators go through memory (per
+format), the matrix size from which the matmul split turns from static halves to guided shares,
+and the guided split's smallest share (both judged on quiet cores and with one core shared with
+a co-runner, lab.slowcore, keeping the value that holds up on both; the single-token stages
+likewise on every thread and on one). None of them changes a result (tests/test_tune.py checks
+every candidate bit for bit); the choices that change arithmetic order stay fixed per kernel path.
 
 `tune()` times each candidate against the default with the real kernels on a working set past the
 last-level cache, candidates interleaved round by round; the one with the lowest median ratio, if

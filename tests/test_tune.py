@@ -303,7 +303,7 @@ def test_ab_times_every_figure_under_both_values_and_puts_them_back(tiny_engine,
 def test_moves_says_which_passes_a_change_can_touch():
     d = {**tune.defaults(), "q4_single_k2": False, "q8_single_k2": True, "q4_single_k3": False, "q8_single_k3": False}
     cases = {   # changed fields -> the token counts whose kernels they touch, of 1, 2, 3, 4, 8
-        (("prefetch_k1_q8", 4096),): {1, 2},                        # 8-bit takes the single-token scheme at 2
+        (("prefetch_k1_q8", 4096),): {1, 2},                     # 8-bit takes the single-token scheme at 2
         (("prefetch_k1", 4096),): {1},
         (("prefetch_l2_k", 32768),): {2, 3, 4, 8},               # 4-bit at 2 is multi-token
         (("q8_mem_acc_k2", False),): {2},

@@ -148,7 +148,7 @@ def write(config: ModelConfig, tensors: dict, path: str | Path, meta: dict | Non
         scales, data = 0, len(region)
         if isinstance(t, formats.QTensor):          # the scales' and the bytes' shares of the tiles
             padded = -(-rows // formats.TILE) * formats.TILE
-            scales, data = padded * t.d.shape[1] * 2, padded * t.q.shape[1]
+            scales, data = padded * t.d.shape[1] * t.d.itemsize, padded * t.q.shape[1]
         entries.append(ENTRY.pack(name.encode(), fmt, ndim, rows, cols, off, scales, data))
         chunks.append((off, region))
         off = _align(off + len(region))
@@ -277,14 +277,20 @@ def verify_once(path: str | Path) -> bool:
     return True
 
 
+def _header(path: str | Path) -> tuple | None:
+    """A weights file's header fields (reads 256 bytes); None where it is no weights file."""
+    with open(path, "rb") as f:
+        raw = f.read(HEADER.size)
+    return HEADER.unpack(raw) if len(raw) == HEADER.size and raw[:8] == MAGIC else None
+
+
 def content_id(path: str | Path) -> str:
     """The data region's sha256 as the header records it (cheap: reads 256 bytes), so caches
     built from a file follow its content, not its name."""
-    with open(path, "rb") as f:
-        raw = f.read(HEADER.size)
-    if len(raw) < HEADER.size or raw[:8] != MAGIC:
+    hd = _header(path)
+    if hd is None:
         raise ModelFileError(f"{path} is not a lab model file")
-    return HEADER.unpack(raw)[-2].hex()
+    return hd[-2].hex()
 
 
 def up_to_date(path: str | Path) -> bool:
@@ -292,11 +298,10 @@ def up_to_date(path: str | Path) -> bool:
     engine reads. A file that is no weights file at all counts as up to date, so that opening
     it says what is wrong instead of an export overwriting it."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read(HEADER.size)
+        hd = _header(path)
     except FileNotFoundError:
         return False
-    return len(raw) < HEADER.size or raw[:8] != MAGIC or HEADER.unpack(raw)[1] == native.consts().file_version
+    return hd is None or hd[1] == native.consts().file_version
 
 
 def engine_file(name: str, scheme: str = "q4-q8out", progress: bool = True) -> Path:
