@@ -35,7 +35,7 @@ namespace {
 
 // Query rows (tokens x heads sharing a KV head) one attention task takes at most: their
 // scores, [rows][context], are its scratch.
-constexpr int ATT_ROWS = 32;
+constexpr int ATT_ROWS = 48;
 
 // The K cache keeps each head's positions in blocks of K_BLOCK, dimension-major within a
 // block ([D][K_BLOCK] fp16), so a vector of scores reads one dimension of K_BLOCK positions
@@ -148,18 +148,21 @@ class Ahead {
 // Blocks of the KV stream a task fetches ahead of its arithmetic: one block ahead left a
 // one-token task waiting on memory on the Zen 5 (docs/tuning.md).
 constexpr int AHEAD_BLOCKS = 2;
-// Positions whose values, as floats (32 x D: 16 KB at D = 128), stay in L1 while every row
-// and every slice of D passes over them, so V streams from memory once and is converted once.
-constexpr int VALUE_BLOCK = 32;
+// Positions whose values, as floats (128 x D: 64 KB at D = 128, in L2), every row and every
+// slice of D passes over, so V streams from memory once and is converted once. Longer blocks
+// spread each slice's accumulators (loaded, stored, spilled) over more multiply-adds; 32
+// positions, which fit L1, cost 8-token tasks 7% (docs/tuning.md). A task of one group of
+// rows waits on memory rather than on its arithmetic; it keeps short blocks in L1, which
+// long ones cost 8%.
+constexpr int VALUE_BLOCK = 128, VALUE_BLOCK_ONE_GROUP = 32;
 // Query rows summed together: each value loaded serves this many rows.
 constexpr int VALUE_ROWS = 6;
 // Positions whose scores are one tile: their K, as floats (D x 32: 16 KB at D = 128), serve
 // every query row of the task from L1.
 constexpr int SCORE_BLOCK = 32;
 static_assert(SCORE_BLOCK % K_BLOCK == 0, "a score tile takes whole blocks of the K cache");
+static_assert(ATT_WINDOW_BLOCK % SCORE_BLOCK == 0, "a window starts on whole score tiles");
 // The work buffer beside the scores, per thread: either block as floats.
-static_assert(ATT_WINDOW_BLOCK % SCORE_BLOCK == 0 && ATT_WINDOW_BLOCK % VALUE_BLOCK == 0,
-              "a window starts on whole score and value tiles");
 constexpr int ATT_BUF_ROWS = SCORE_BLOCK > VALUE_BLOCK ? SCORE_BLOCK : VALUE_BLOCK;
 
 // One task's scratch: the scores of `rows` rows over up to `ctx` positions, then the block
