@@ -151,10 +151,10 @@ constexpr int AHEAD_BLOCKS = 2;
 // Positions whose values, as floats (128 x D: 64 KB at D = 128, in L2), every row and every
 // slice of D passes over, so V streams from memory once and is converted once. Longer blocks
 // spread each slice's accumulators (loaded, stored, spilled) over more multiply-adds; 32
-// positions, which fit L1, cost 8-token tasks 7% (docs/tuning.md). A task of one group of
-// rows waits on memory rather than on its arithmetic; it keeps short blocks in L1, which
-// long ones cost 8%.
-constexpr int VALUE_BLOCK = 128, VALUE_BLOCK_ONE_GROUP = 32;
+// positions, which fit L1, cost 8-token tasks 7% (docs/tuning.md). A task of one row group
+// converts V where it uses it, with no buffer (attend.inc); its blocks only pace its fetches
+// and its accumulators' reloads.
+constexpr int VALUE_BLOCK = 128, VALUE_BLOCK_DIRECT = 128;
 // Query rows summed together: each value loaded serves this many rows.
 constexpr int VALUE_ROWS = 6;
 // Positions whose scores are one tile: their K, as floats (D x 32: 16 KB at D = 128), serve
@@ -178,6 +178,7 @@ namespace att256 {
 struct Vec {
     using F = __m256;
     static constexpr int W = 8, ROWS = 2, REGS = 16;     // 8 score accumulators
+    static constexpr int DIRECT_ROWS = 2;                // as many rows' score accumulators as fit
     static F zero() { return _mm256_setzero_ps(); }
     static F load(const float* p) { return _mm256_loadu_ps(p); }
     static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
@@ -205,6 +206,7 @@ namespace att512 {
 struct Vec {
     using F = __m512;
     static constexpr int W = 16, ROWS = 6, REGS = 32;    // 12 score accumulators
+    static constexpr int DIRECT_ROWS = 8;                // a draft's 7 query heads a KV head, in one group
     static F zero() { return _mm512_setzero_ps(); }
     static F load(const float* p) { return _mm512_loadu_ps(p); }
     static void store(float* p, F v) { _mm512_storeu_ps(p, v); }

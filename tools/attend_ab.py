@@ -26,8 +26,11 @@ sys.path.insert(0, str(ROOT))
 from lab import native  # noqa: E402
 
 BUILD = ROOT / "build" / "attend_ab"
-# The call each part of attend.inc is made by; dropping a part puts `if (0)` before it.
-PARTS = {"values": "with_rows<VALUE_ROWS>(", "scores": "with_rows<Vec::ROWS>(", "softmax": "softmax_rows(a, scores"}
+# The calls each part of attend.inc is made by (a task of one row group has its own); dropping
+# a part puts `if (0)` before each.
+PARTS = {"values": ("with_rows<VALUE_ROWS>(", "with_rows<Vec::DIRECT_ROWS>(R, [&](auto rows)"),
+         "scores": ("with_rows<Vec::ROWS>(", "with_rows<Vec::DIRECT_ROWS>(R, [&](auto g)"),
+         "softmax": ("softmax_rows(a, scores",)}
 
 MAIN = r'''
 #include "model.cpp"
@@ -112,11 +115,11 @@ int main(int argc, char** argv) {
 def variant_source(variant: Path | None, drop: str | None) -> str:
     src = (variant or native.SOURCE_DIR / "attend.inc").read_text()
     if drop:
-        call = PARTS[drop]
-        if src.count(call) != 1:
-            raise SystemExit(f"--drop {drop}: attend.inc no longer makes that part by one `{call}` call; "
-                             f"update PARTS in {Path(__file__).name}")
-        src = src.replace(call, "if (0) " + call)
+        for call in PARTS[drop]:
+            if src.count(call) != 1:
+                raise SystemExit(f"--drop {drop}: attend.inc no longer makes that part by one `{call}` call; "
+                                 f"update PARTS in {Path(__file__).name}")
+            src = src.replace(call, "if (0) " + call)
     return src
 
 
