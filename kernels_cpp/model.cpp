@@ -153,9 +153,9 @@ constexpr int AHEAD_BLOCKS = 2;
 // slice of D passes over, so V streams from memory once and is converted once. Longer blocks
 // spread each slice's accumulators (loaded, stored, spilled) over more multiply-adds; 32
 // positions, which fit L1, cost 8-token tasks 7% (docs/tuning.md). A task of one row group
-// converts V where it uses it, with no buffer (attend.inc); its blocks only pace its fetches
-// and its accumulators' reloads.
-constexpr int VALUE_BLOCK = 128, VALUE_BLOCK_DIRECT = 128;
+// converts V where it uses it, with no buffer (attend.inc); for it the blocks only pace the
+// fetches and the accumulators' reloads, and 128 measured best there too.
+constexpr int VALUE_BLOCK = 128;
 // Query rows summed together: each value loaded serves this many rows.
 constexpr int VALUE_ROWS = 6;
 // Positions whose scores are one tile: their K, as floats (D x 32: 16 KB at D = 128), serve

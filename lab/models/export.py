@@ -147,8 +147,8 @@ def write(config: ModelConfig, tensors: dict, path: str | Path, meta: dict | Non
         fmt, region, (rows, cols), ndim = _region(t)
         scales, data = 0, len(region)
         if isinstance(t, formats.QTensor):          # the scales' and the bytes' shares of the tiles
-            padded = -(-rows // formats.TILE) * formats.TILE
-            scales, data = padded * t.d.shape[1] * t.d.itemsize, padded * t.q.shape[1]
+            ns = native.lib()
+            scales, data = ns.packed_scale_count(rows, cols) * t.d.itemsize, ns.packed_byte_count(fmt, rows, cols)
         entries.append(ENTRY.pack(name.encode(), fmt, ndim, rows, cols, off, scales, data))
         chunks.append((off, region))
         off = _align(off + len(region))
