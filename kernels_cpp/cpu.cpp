@@ -81,6 +81,15 @@ bool path_supported(int path) {
     }
 }
 
+int attention_mode(int path, int mode, int head_dim) {
+    static const bool bf16 = cpu_info().avx512bf16;
+    const bool hw = path == PATH_AVX512VNNI && path_supported(path) && bf16 && head_dim % 16 == 0;
+    if (mode == ATT_DEFAULT) return hw ? ATT_BF16 : ATT_F32;
+    if (mode == ATT_F32) return ATT_F32;
+    if (mode == ATT_BF16) return hw || path == PATH_SCALAR ? ATT_BF16 : -1;
+    return -1;
+}
+
 int best_path() {
     if (path_supported(PATH_AVX512VNNI)) return PATH_AVX512VNNI;
     if (path_supported(PATH_AVXVNNI)) return PATH_AVXVNNI;

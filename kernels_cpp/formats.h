@@ -127,4 +127,14 @@ inline float fp16_to_fp32(uint16_t h) {
     return f32_from(sign | ((e + 112) << 23) | (m << 13));
 }
 
+// bf16 as vcvtneps2bf16 rounds: to nearest, ties to even, a denormal to a zero of its sign
+// (NaN payloads aside), returned as the float it stands for.
+inline float round_bf16(float f) {
+    uint32_t x = f32_bits(f);
+    if ((x & 0x7f800000u) == 0) return f32_from(x & 0x80000000u);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return f;
+    x += 0x7fffu + ((x >> 16) & 1);
+    return f32_from(x & 0xffff0000u);
+}
+
 }  // namespace lab

@@ -87,31 +87,34 @@ using AttendFn = void (*)(const Queries& a, const uint16_t* K, const uint16_t* V
                           float* row);
 
 // The reference: one token at a time, one position at a time (a windowed row's positions
-// in order: the sink's, then its recent ones).
+// in order: the sink's, then its recent ones). BF16: the products of ATT_BF16, each operand
+// rounded to bf16 (its sums, one at a time, may differ from vdpbf16ps's pairs in the last bits).
+template <bool BF16>
 void attend_scalar(const Queries& a, const uint16_t* K, const uint16_t* V, float scale, float* scores,
                    float* row) {
     const int D = a.D;
+    const auto op = [](float x) { return BF16 ? round_bf16(x) : x; };
     for (int r = 0; r < a.rows(); r++) {
         const int skip = a.skip(r), n = a.seen(r) - skip;
         const float* q = a.qrow(r);
         float* s = scores;
         for (int v = 0; v < n; v++) {
             const int t = a.at(v, skip);
-            for (int i = 0; i < D; i++) row[i] = fp16_to_fp32(K[k_at(t, i, D)]);
+            for (int i = 0; i < D; i++) row[i] = op(fp16_to_fp32(K[k_at(t, i, D)]));
             float acc = 0.f;
-            for (int i = 0; i < D; i++) acc = std::fmaf(q[i], row[i], acc);
+            for (int i = 0; i < D; i++) acc = std::fmaf(op(q[i]), row[i], acc);
             s[v] = acc * scale;
         }
         float mx = s[0], sum = 0.f;
         for (int t = 1; t < n; t++) mx = s[t] > mx ? s[t] : mx;
         for (int t = 0; t < n; t++) sum += s[t] = std::exp(s[t] - mx);
         const float inv = 1.0f / sum;
-        for (int t = 0; t < n; t++) s[t] *= inv;
+        for (int t = 0; t < n; t++) s[t] = op(s[t] * inv);
         float* o = a.orow(r);
         std::memset(o, 0, sizeof(float) * D);
         for (int v = 0; v < n; v++) {
             const size_t t = (size_t)a.at(v, skip);
-            for (int i = 0; i < D; i++) row[i] = fp16_to_fp32(V[t * D + i]);
+            for (int i = 0; i < D; i++) row[i] = op(fp16_to_fp32(V[t * D + i]));
             for (int i = 0; i < D; i++) o[i] = std::fmaf(s[v], row[i], o[i]);
         }
     }
@@ -222,6 +225,7 @@ struct Vec {
     static float hsum(F v) { return _mm512_reduce_add_ps(v); }
 };
 #include "attend.inc"
+#include "attend_bf16.inc"
 }  // namespace att512
 #pragma GCC pop_options
 
@@ -348,6 +352,7 @@ struct Model::Impl {
     bool loaded = false;
     int split_tiles = SPLIT_GUIDED;
     int att_sink = 0, att_window = 0;  // set_window
+    int att_mode = ATT_DEFAULT;        // set_attention
     bool profiling = false;
     double stage_secs[N_STAGES] = {}, lap_start = 0;
 
@@ -427,6 +432,8 @@ bool Model::set_window(int sink, int window) {
     impl_->att_window = window;
     return true;
 }
+void Model::set_attention(int mode) { impl_->att_mode = mode; }
+int Model::attention() const { return impl_->att_mode; }
 int Model::vocab() const { return impl_->vocab; }
 int Model::out_rows() const { return impl_->out_rows(); }
 const int32_t* Model::out_ids() const { return impl_->trim.fmt < 0 ? nullptr : impl_->ids.data(); }
@@ -626,15 +633,19 @@ int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, T
 // 512-bit float math slows the matmuls after it, except in a short single-token pass
 // (docs/tuning.md). The width is fixed per path: a k-token pass must equal k single-token
 // passes bit for bit.
-static AttendFn attend_for(int path, int D) {
-    return path == PATH_SCALAR ? attend_scalar : path == PATH_AVX512VNNI && D % 16 == 0 ? att512::attend : att256::attend;
+// ATT_BF16 has a kernel at 512 bits only (attention_mode says where it runs).
+static AttendFn attend_for(int path, int D, int mode) {
+    const bool bf16 = attention_mode(path, mode, D) == ATT_BF16;
+    if (path == PATH_SCALAR) return bf16 ? attend_scalar<true> : attend_scalar<false>;
+    if (path == PATH_AVX512VNNI && D % 16 == 0) return bf16 ? att512::attend_bf16 : att512::attend;
+    return att256::attend;
 }
 
 void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int path) {
     const int D = h.head_dim, KV = h.num_kv_heads, group = h.num_heads / KV;
     const float scale = (float)std::pow((double)D, -0.5);
     const size_t per_thread = att_scratch_floats(att_rows, max_ctx, D);
-    const AttendFn attend = attend_for(path, D);
+    const AttendFn attend = attend_for(path, D, att_mode);
     // A task: one KV head and up to `per` tokens, whose query heads all share each K and V
     // row it reads (a verification pass reads the cache once, not once per token) -- as long
     // as every thread still gets a task.
@@ -752,7 +763,7 @@ int Model::forward(const int32_t* tokens, int k, int pos, float* logits, int mod
     if (!m.loaded) return E_NOT_LOADED;
     if (k < 1) return E_EMPTY;
     if (pos < 0 || pos + k > m.max_ctx) return E_CONTEXT;
-    if (!path_supported(path)) return E_PATH;
+    if (!path_supported(path) || attention_mode(path, m.att_mode, (int)m.h.head_dim) < 0) return E_PATH;
     for (int j = 0; j < k; j++)
         if (tokens[j] < 0 || tokens[j] >= (int)m.h.vocab_size) return E_TOKEN;
     PinScope pin(pool);
@@ -787,7 +798,7 @@ int bench_attention(int D, int group, int tokens, int n0, int path, int reps, do
     for (auto& x : q) x = uniform();
     float* row = att_buffer(scratch.data(), R, n);
     const Queries a{q.data(), (size_t)group * D, out.data(), (size_t)group * D, group, tokens, n0, D};
-    const AttendFn attend = attend_for(path, D);
+    const AttendFn attend = attend_for(path, D, ATT_DEFAULT);
     const float scale = 1.0f / std::sqrt((float)D);
     attend(a, K.data(), V.data(), scale, scratch.data(), row);     // warm-up: pages, caches
     for (int r = 0; r < reps; r++) {

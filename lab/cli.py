@@ -343,7 +343,7 @@ def _print_kernels(r: dict) -> None:
 
 def _print_decode(r: dict) -> None:
     passes = f"{r['k']}-token passes of {r['ms_per_pass']:.1f} ms: " if r["k"] > 1 else ""
-    print(f"{r['model']} ({r['format']}), {r['threads']} threads, context {r['context']}: {passes}"
+    print(f"{r['model']} ({r['format']}, {r['attention']} attention), {r['threads']} threads, context {r['context']}: {passes}"
           f"{r['tokens_per_s']:.1f} tokens/s ({r['ms_per_token']:.1f} ms/token)")
     print(f"{r['bytes_per_pass'] / 1e6:.0f} MB read per pass = {r['gbps']:.1f} GB/s; read ceiling "
           f"{r['read_gbps']:.1f} GB/s; share {100 * r['share_of_ceiling']:.0f}% (IQR {100 * r['share_of_ceiling_iqr']:.0f})")
@@ -360,7 +360,7 @@ def _print_decode(r: dict) -> None:
 
 
 def _print_vk(r: dict) -> None:
-    print(f"target {r['target']}, draft {r['draft']}, {r['format']}, {r['threads']} threads")
+    print(f"target {r['target']}, draft {r['draft']}, {r['format']}, {r['attention']} attention, {r['threads']} threads")
     for ctx in sorted({x["context"] for x in r["records"]}):
         vs = [x for x in r["records"] if x["context"] == ctx and x["kind"] == "v"]
         read = f"read ceiling {vs[0]['read_gbps_before']:.0f} GB/s before, {vs[0]['read_gbps_after']:.0f} after"
@@ -406,9 +406,10 @@ def cmd_bench_decode(args) -> int:
     from .models.export import engine_file
     from .steps import decode_bench
     _check_decode(args)
-    e = Engine(engine_file(args.model, args.scheme), threads=args.threads, max_context=max(args.context + 64, 512))
+    e = Engine(engine_file(args.model, args.scheme), threads=args.threads, max_context=max(args.context + 64, 512),
+               attention=args.attention)
     r = decode_bench(e, args.context, rounds=args.rounds, stages=args.stages, k=args.k)
-    return _emit(args, _named(r, model=args.model, format=args.scheme), _print_decode)
+    return _emit(args, _named(r, model=args.model, format=args.scheme, attention=e.attention), _print_decode)
 
 
 VK_DRAFT_SCHEMES = ("q4-q8out", "q8")      # the draft formats whose c lab bench vk measures
@@ -426,12 +427,13 @@ def cmd_bench_vk(args) -> int:
     draft = None if args.draft == "lookup" else args.draft
     pool = Pool(args.threads)
     top = max(args.context) + max(ks) + 64
-    target = Engine(engine_file(args.model, args.scheme), pool=pool, max_context=top)
+    target = Engine(engine_file(args.model, args.scheme), pool=pool, max_context=top, attention=args.attention)
     # o is measured with the first draft: the one in the target's format, where there is one
     schemes = sorted(VK_DRAFT_SCHEMES, key=lambda s: s != args.scheme) if draft else []
-    drafts = {s: Engine(engine_file(draft, s), pool=pool, max_context=top) for s in schemes}
+    drafts = {s: Engine(engine_file(draft, s), pool=pool, max_context=top, attention=args.attention) for s in schemes}
     r = vk_bench(target, drafts, tuple(args.context), ks, rounds=args.rounds, progress=not args.json)
-    return _emit(args, _named(r, target=args.model, draft=draft, format=args.scheme), _print_vk)
+    return _emit(args, _named(r, target=args.model, draft=draft, format=args.scheme, attention=target.attention),
+                 _print_vk)
 
 
 def _draft_engine(args, pool, max_context: int):
@@ -696,6 +698,11 @@ def _target_flags(p) -> None:
     p.add_argument("--scheme", default="q4-q8out", help="its weights format: f32, q8, q4 or q4-q8out (default)")
 
 
+def _attention_flag(p) -> None:
+    p.add_argument("--attention", choices=["f32", "bf16"],
+                   help="attention's products (default: bf16 where the kernel path has it, else f32)")
+
+
 def _add_bandwidth(benches) -> None:
     p = _bench_command(benches, "bandwidth", "read, copy and triad bandwidth against thread count: the read ceiling",
                        cmd_bench_bandwidth, threads="list")
@@ -723,6 +730,7 @@ def _add_decode(benches) -> None:
     p.add_argument("--stages", action="store_true", help="time each stage of the pass too")
     p.add_argument("--k", type=_COUNT, default=1, metavar="K",
                    help="tokens per pass (default 1; more: a verification pass, whose stages show what grows with k)")
+    _attention_flag(p)
 
 
 def _add_vk(benches) -> None:
@@ -733,6 +741,7 @@ def _add_vk(benches) -> None:
                    help="contexts, e.g. 256,2048 (default: those the policy's cost table is measured at)")
     p.add_argument("--k", type=_list(_COUNT), metavar="K,...",
                    help="tokens per pass, 1 among them, e.g. 1,2,4 (default: 1 to the engine's MAX_K)")
+    _attention_flag(p)
 
 
 def _add_speculative(benches) -> None:

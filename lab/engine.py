@@ -83,18 +83,34 @@ class Result:
                 "t_sample": self.t_sample, "t_total": self.t_total, "stopped_on_eos": self.stopped_on_eos}
 
 
+def attention_mode(path_id: int, name: str | None, head_dim: int) -> str:
+    """What attention=name runs as on this path: "f32" or "bf16"; an EngineError where it cannot."""
+    modes = native.consts().attention
+    if name is not None and name not in modes:
+        raise EngineError(f"attention={name!r}: choose one of {', '.join(modes)} (or None for the path's own)")
+    mode = int(native.lib().attention_mode(path_id, -1 if name is None else modes[name], head_dim))
+    if mode < 0:
+        raise EngineError(f"attention={name!r} needs AVX512_BF16 on the avx512vnni path (or the scalar "
+                          f"reference, path='scalar'); this engine runs path {native.consts().paths[path_id]!r}: "
+                          f"use attention='f32'")
+    return next(n for n, m in modes.items() if m == mode)
+
+
 class Engine:
     """A model from the engine's weights file, with its own thread pool and KV cache.
 
     in_memory (default) copies the checked file onto 2 MB pages; False runs straight from
     the read-only mapping of the file (less memory, slower decoding: 4 KB pages). verify
     checks the file's content hash the first time each version of it loads (default: yes,
-    unless LAB_VERIFY=0, which `lab --no-verify` sets).
+    unless LAB_VERIFY=0, which `lab --no-verify` sets). attention: its products in "f32"
+    (fp16 K and V as floats) or "bf16" (every operand rounded to bf16: twice the multiply-adds
+    per instruction); None: bf16 where the path has it in hardware (AVX-512 with
+    AVX512_BF16), f32 elsewhere. `self.attention` says which runs.
     """
 
     def __init__(self, model_file: str | Path, threads: int | None = None, cpus: list[int] | None = None,
                  max_context: int = 4096, path: str | None = None, pool: Pool | None = None,
-                 in_memory: bool = True, verify: bool | None = None):
+                 in_memory: bool = True, verify: bool | None = None, attention: str | None = None):
         ns = native.lib()
         if not 1 <= int(max_context) < 2 ** 31:
             raise EngineError(f"max_context must be between 1 and 2^31 - 1 tokens, got {max_context}")
@@ -120,6 +136,8 @@ class Engine:
         self.eos_ids = [int(h.eos[i]) for i in range(int(h.n_eos))]
         self.arch = {i: a for a, i in native.consts().archs.items()}[int(h.arch)]
         self.trimmed = bool(self._m.out_ids())     # a draft whose logits cover only some tokens
+        self.attention = attention_mode(self.path_id, attention, int(h.head_dim))
+        self._m.set_attention(native.consts().attention[self.attention])
 
     @property
     def kept_ids(self) -> np.ndarray | None:

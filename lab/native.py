@@ -135,6 +135,7 @@ def consts() -> SimpleNamespace:
         logits={"none": int(ns.LOGITS_NONE), "last": int(ns.LOGITS_LAST), "all": int(ns.LOGITS_ALL)},
         paths=_path_names(ns),
         archs={"qwen3": int(ns.ARCH_QWEN3), "qwen2": int(ns.ARCH_QWEN2), "llama": int(ns.ARCH_LLAMA)},
+        attention={"f32": int(ns.ATT_F32), "bf16": int(ns.ATT_BF16)},
         file_version=int(ns.MODEL_FILE_VERSION),
         window_block=int(ns.ATT_WINDOW_BLOCK))
 
@@ -238,7 +239,10 @@ def cpu() -> dict:
         "kernels": {"matmul_q4": path, "matmul_q8": path,
                     "quantize_activations": "scalar" if path == "scalar" else
                     ("avx512" if path in ("avx512vnni", "vnni256evex") else "avx2"),
-                    "sampling": str(ns.sampler_name(active))},
+                    "sampling": str(ns.sampler_name(active)),
+                    # the products attention runs by default, for heads of 128 (Qwen's)
+                    "attention": next(n for n, m in consts().attention.items()
+                                      if m == int(ns.attention_mode(active, -1, 128)))},
     }
 
 

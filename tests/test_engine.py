@@ -17,7 +17,7 @@ from lab.models import TINY, tiny_weights
 from lab.models import export as ex
 from lab.models.twin import Twin
 
-from .conftest import simd_paths
+from .conftest import path_attention, simd_paths
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -56,7 +56,7 @@ def test_f32_engine_follows_the_reference(files, pool, name, path):
     cache), and identical greedy tokens, on every path (attention at 256 and 512 bits)."""
     c = TINY[name]
     e = Engine(files[name]["f32"], pool=pool, max_context=256, path=path)
-    ref = Twin(c, tiny_weights(c, seed=1), "f32", max_context=256)     # f32 weights, fp16 KV
+    ref = Twin(c, tiny_weights(c, seed=1), "f32", max_context=256, attention=e.attention)  # f32 weights, fp16 KV
     for p in prompts(c, 3):
         logits, hidden = e.forward(p, 0, hidden=True)
         want_h = []
@@ -72,7 +72,7 @@ def test_f32_engine_follows_the_reference(files, pool, name, path):
 def test_quantized_engine_tracks_the_twin(files, pool, scheme):
     c = TINY["tiny-qwen2"]
     e = Engine(files["tiny-qwen2"][scheme], pool=pool, max_context=256)
-    tw = Twin(c, tiny_weights(c, seed=1), scheme, max_context=256)
+    tw = Twin(c, tiny_weights(c, seed=1), scheme, max_context=256, attention=e.attention)
     same, agree, tvd, n = 0, 0, 0.0, 0
     ps = prompts(c, 8, seed=3)
     for p in ps:
@@ -90,13 +90,13 @@ def test_quantized_engine_tracks_the_twin(files, pool, scheme):
 # Exactness
 # ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("path", simd_paths())
+@pytest.mark.parametrize("path,attention", path_attention())
 @pytest.mark.parametrize("scheme", ["f32", "q8", "q4-q8out"])
-def test_k_token_pass_equals_single_passes(files, scheme, path):
+def test_k_token_pass_equals_single_passes(files, scheme, path, attention):
     c = TINY["tiny-qwen3"]
     toks = prompts(c, 1, seed=5)[0] + list(range(40))
     for threads in sorted({1, min(2, len(__import__("os").sched_getaffinity(0)))}):
-        e = Engine(files["tiny-qwen3"][scheme], threads=threads, max_context=256, path=path)
+        e = Engine(files["tiny-qwen3"][scheme], threads=threads, max_context=256, path=path, attention=attention)
         e.forward(toks[:8], 0, logits="none")
         singles = np.stack([e.forward([t], 8 + j, logits="last") for j, t in enumerate(toks[8:24])])
         for k in range(1, 17):
@@ -104,16 +104,16 @@ def test_k_token_pass_equals_single_passes(files, scheme, path):
             assert got.tobytes() == singles[:k].tobytes(), (threads, k)
 
 
-@pytest.mark.parametrize("path", simd_paths())
-def test_attention_across_cache_blocks(files, pool, path):
+@pytest.mark.parametrize("path,attention", path_attention())
+def test_attention_across_cache_blocks(files, pool, path, attention):
     """Scores over many blocks of the K cache, up to a last position inside a block (a
     max_context of 203, padded to 208): a k-token pass still equals single passes, and every
-    path stays within float32 rounding of the scalar reference."""
+    path stays within float32 rounding of the scalar reference with the same products."""
     c, n = TINY["tiny-qwen3"], 203
     toks = (prompts(c, 1, seed=9)[0] * n)[:n]
     runs = {}
     for p in ("scalar", path):
-        e = Engine(files["tiny-qwen3"]["f32"], pool=pool, max_context=n, path=p)
+        e = Engine(files["tiny-qwen3"]["f32"], pool=pool, max_context=n, path=p, attention=attention)
         e.forward(toks[:180], 0, logits="none")
         runs[p] = np.stack([e.forward([t], 180 + j, logits="last") for j, t in enumerate(toks[180:])])
         for at, k in ((180, 1), (180, 5), (180, 16), (196, 7)):
@@ -123,8 +123,8 @@ def test_attention_across_cache_blocks(files, pool, path):
     np.testing.assert_allclose(runs[path], want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
 
 
-@pytest.mark.parametrize("path", simd_paths())
-def test_windowed_attention(files, pool, path):
+@pytest.mark.parametrize("path,attention", path_attention())
+def test_windowed_attention(files, pool, path, attention):
     """A windowed engine (sink 32, window 40): a k-token pass whose rows start their windows
     on different blocks still equals single passes; every path stays within float32
     rounding of the scalar reference; tokens outside every window the last token's two
@@ -133,7 +133,7 @@ def test_windowed_attention(files, pool, path):
     toks = (prompts(c, 1, seed=9)[0] * n)[:n]
     runs = {}
     for p in ("scalar", path):
-        e = Engine(files["tiny-qwen3"]["f32"], pool=pool, max_context=n, path=p)
+        e = Engine(files["tiny-qwen3"]["f32"], pool=pool, max_context=n, path=p, attention=attention)
         e.set_window(40, sink=32)
         e.forward(toks[:100], 0, logits="none")
         runs[p] = np.stack([e.forward([t], 100 + j, logits="last") for j, t in enumerate(toks[100:])])
@@ -143,7 +143,7 @@ def test_windowed_attention(files, pool, path):
     want = runs["scalar"]
     np.testing.assert_allclose(runs[path], want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
 
-    e = Engine(files["tiny-qwen3"]["f32"], pool=pool, max_context=n, path=path)
+    e = Engine(files["tiny-qwen3"]["f32"], pool=pool, max_context=n, path=path, attention=attention)
     changed = toks[:40] + [(t + 1) % c.tokenizer_size for t in toks[40:96]] + toks[96:]
     full = [e.forward(t, 0, logits="last") for t in (toks, changed)]
     assert not np.array_equal(*full)

@@ -3,7 +3,7 @@
 Written to be read: one function per idea, an explicit KV cache laid out like the
 engine's ([layer][kv_head][position][head_dim]), and forward(tokens[k], pos) serving
 decoding, verification and prompt processing alike. Weights keep Hugging Face's names.
-The twin subclasses it and changes only `linear` and `store_kv`.
+The twin subclasses it and changes only `linear`, `store_kv` and `attention_operand`.
 """
 from __future__ import annotations
 
@@ -102,11 +102,17 @@ class Reference(torch.nn.Module):
         group = c.num_heads // c.num_kv_heads
         keys = keys.repeat_interleave(group, dim=0)
         values = values.repeat_interleave(group, dim=0)
+        q, keys, values = (self.attention_operand(t) for t in (q, keys, values))
         scores = (q @ keys.transpose(1, 2)) * (c.head_dim ** -0.5)
         causal = torch.arange(pos + k)[None, :] > (pos + torch.arange(k))[:, None]
         scores = scores.masked_fill(causal, float("-inf"))
-        out = torch.softmax(scores.float(), dim=-1) @ values
+        out = self.attention_operand(torch.softmax(scores.float(), dim=-1)) @ values
         return self.linear(out.transpose(0, 1).reshape(k, c.num_heads * c.head_dim), f"model.layers.{i}.self_attn.o_proj")
+
+    def attention_operand(self, x: torch.Tensor) -> torch.Tensor:
+        """An operand of attention's products (queries, keys, values, probabilities) as they
+        are multiplied: here, as it is."""
+        return x
 
     def attention(self, i: int, x: torch.Tensor, pos: int, cos, sin) -> torch.Tensor:
         q, kk, v = self.qkv(i, x, cos, sin)

@@ -1,6 +1,7 @@
 """The quantization twin: the reference with weights in the lab's block formats,
 activations fake-quantized to 8-bit blocks at every matmul input, and the KV cache
-rounded to fp16 — so PyTorch predicts what the engine computes (docs/science.md §6: closely,
+rounded to fp16 (and attention's operands to bf16 where the engine multiplies in bf16) —
+so PyTorch predicts what the engine computes (docs/science.md §6: closely,
 never elementwise)."""
 from __future__ import annotations
 
@@ -100,8 +101,10 @@ def quantized_reference_weights(config: ModelConfig, weights: dict[str, torch.Te
 
 class Twin(Reference):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], scheme: str = "q4-q8out",
-                 max_context: int = 2048):
-        self.scheme = scheme
+                 max_context: int = 2048, attention: str = "f32"):
+        if attention not in ("f32", "bf16"):
+            raise ValueError(f"attention={attention!r}: the engine's products are 'f32' or 'bf16'")
+        self.scheme, self.attention_products = scheme, attention
         self.quantized, deq = quantized_reference_weights(config, weights, scheme)
         super().__init__(config, deq, max_context)
         self.quantized_names = {n for n, q in self.quantized.items() if isinstance(q, formats.QTensor)}
@@ -113,3 +116,6 @@ class Twin(Reference):
 
     def store_kv(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
         super().store_kv(layer, pos, k.half().float(), v.half().float())
+
+    def attention_operand(self, x: torch.Tensor) -> torch.Tensor:
+        return x.bfloat16().float() if self.attention_products == "bf16" else x
