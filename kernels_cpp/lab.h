@@ -133,6 +133,8 @@ uint16_t f32_to_f16(float f);
 float f16_to_f32(uint16_t h);
 // n values at once (the KV cache's rows): f32_to_f16's bits on every path, but for NaN payloads.
 void f32_to_f16_row(const float* x, int64_t n, uint16_t* out, int path);
+// n values rounded to bf16 as ATT_BF16 rounds attention's operands, as floats (round_bf16).
+void round_bf16_row(const float* x, int64_t n, float* out);
 
 // A quantized weight matrix [rows, cols] in the split layout; the memory belongs to the caller.
 struct QMat {

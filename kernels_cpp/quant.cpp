@@ -27,6 +27,10 @@ static int64_t f32_to_f16_f16c(const float* x, int64_t n, uint16_t* out) {
 }
 #pragma GCC pop_options
 
+void round_bf16_row(const float* x, int64_t n, float* out) {
+    for (int64_t i = 0; i < n; i++) out[i] = round_bf16(x[i]);
+}
+
 void f32_to_f16_row(const float* x, int64_t n, uint16_t* out, int path) {
     const bool simd = path != PATH_SCALAR && path_supported(path);
     for (int64_t i = simd ? f32_to_f16_f16c(x, n, out) : 0; i < n; i++) out[i] = fp32_to_fp16(x[i]);

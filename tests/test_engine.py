@@ -484,6 +484,27 @@ def test_bad_requests_are_exceptions(files, pool, tmp_path):
         Engine(tmp_path / "alien.lab", pool=pool)
     with pytest.raises(EngineError, match="no weights file"):
         Engine(tmp_path / "missing.lab", pool=pool)
+    with pytest.raises(EngineError, match="choose one of f32, bf16"):
+        Engine(files["tiny-qwen3"]["q8"], pool=pool, max_context=64, attention="fp8")
+    with pytest.raises(EngineError, match="needs AVX512_BF16 on the avx512vnni path"):
+        Engine(files["tiny-qwen3"]["q8"], pool=pool, max_context=64, path="avx2", attention="bf16")
+
+
+def test_bf16_rounding_matches_torch():
+    """The scalar reference's bf16 (to nearest, ties to even) is torch's for normal floats,
+    across ties, carries into the exponent and the largest values; a denormal becomes a zero
+    of its sign, as the instruction's own conversion makes it."""
+    ns = native.lib()
+    rng = np.random.default_rng(4)
+    bits = np.concatenate([rng.integers(0x00800000, 0x7f7f0000, 20000, dtype=np.uint32),
+                           np.array([0x3f808000, 0x3f818000, 0x3f80ffff, 0x3fffffff, 0x7f7effff], np.uint32)])
+    x = np.concatenate([bits, bits | 0x80000000]).view(np.float32)
+    x = np.concatenate([x, np.float32([1e-40, -1e-40])])
+    got = np.empty_like(x)
+    ns.round_bf16_row(x, x.size, got)
+    want = torch.from_numpy(x).bfloat16().float().numpy()
+    want[-2:] = [0.0, -0.0]
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("where", ["model.layers.0.input_layernorm.weight",

@@ -1,9 +1,10 @@
 """Two versions of the attention kernel in one binary, timed alternately (docs/tuning.md).
 
-A is the engine's own attention on the AVX-512 path (`att512::attend`, compiled from
-kernels_cpp/model.cpp as it stands); B is a variant of kernels_cpp/attend.inc — a file of your
-own (--variant), or the engine's with one part left out (--drop values|scores|softmax), which
-says what that part costs. Each call of A and B takes one task of a pass: k tokens of the
+A is the engine's own attention on the AVX-512 path with float products (`att512::attend`,
+compiled from kernels_cpp/model.cpp as it stands); B is a variant of kernels_cpp/attend.inc — a
+file of your own (--variant), or the engine's with one part left out (--drop
+values|scores|softmax), which says what that part costs — or the engine's bf16 products
+(--bf16: `att512::attend_bf16`, attend_bf16.inc). Each call of A and B takes one task of a pass: k tokens of the
 1.5B's head shape (or --head's) against one KV head of --context positions, cache-resident, or with
 --memory cycled over heads four times the last-level cache in all, so K and V come from
 memory (over fewer, a large L3 serves them); first, the float peak the loops are
@@ -12,6 +13,7 @@ which of them goes first alternating too; an identical B reads about 1.02 (B/A m
 
     .venv/bin/python tools/attend_ab.py --drop values
     .venv/bin/python tools/attend_ab.py --variant my_attend.inc --memory
+    .venv/bin/python tools/attend_ab.py --bf16
 """
 from __future__ import annotations
 
@@ -46,6 +48,10 @@ using Vec = att512::Vec;
 #include <cstdio>
 #include <cstdlib>
 #include <span>
+
+#ifndef B_ATTEND
+#define B_ATTEND variant::attend
+#endif
 
 // The float peak the loops are held against: 16 independent chains of 512-bit FMAs, one thread.
 #pragma GCC push_options
@@ -93,7 +99,7 @@ int main(int argc, char** argv) {
                 const bool a_now = (c + w) % 2 == 0;
                 const size_t h = (size_t)((2 * c + w) % heads) * cached;
                 const double t0 = now();
-                (a_now ? att512::attend : variant::attend)(a, K.data() + h, V.data() + h, 0.088f, scratch.data(), buf);
+                (a_now ? att512::attend : B_ATTEND)(a, K.data() + h, V.data() + h, 0.088f, scratch.data(), buf);
                 t[a_now ? 0 : 1] = now() - t0;
             }
             ta.push_back(t[0]);
@@ -123,10 +129,10 @@ def variant_source(variant: Path | None, drop: str | None) -> str:
     return src
 
 
-def build(variant_src: str) -> Path:
+def build(variant_src: str, defines: tuple[str, ...] = ()) -> Path:
     """The binary for this variant and these sources (cached by their content)."""
     others = sorted(p for p in native.SOURCE_DIR.glob("*.cpp") if p.name != "model.cpp")
-    key = hashlib.sha256(variant_src.encode() + MAIN.encode() + b"".join(
+    key = hashlib.sha256(variant_src.encode() + MAIN.encode() + "".join(defines).encode() + b"".join(
         p.read_bytes() for p in sorted(native.SOURCE_DIR.iterdir()) if p.is_file())).hexdigest()[:16]
     exe = BUILD / f"attend_ab-{key}"
     if exe.exists():
@@ -135,7 +141,7 @@ def build(variant_src: str) -> Path:
     (BUILD / "variant.inc").write_text(variant_src)
     (BUILD / "main.cpp").write_text(MAIN)
     flags = [f for f in native.flags() if f not in ("-fPIC", "-shared")]
-    cmd = [native.compiler(), *flags, f"-I{BUILD}", f"-I{native.SOURCE_DIR}", str(BUILD / "main.cpp"),
+    cmd = [native.compiler(), *flags, *defines, f"-I{BUILD}", f"-I{native.SOURCE_DIR}", str(BUILD / "main.cpp"),
            *map(str, others), "-o", str(exe)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode:
@@ -154,6 +160,7 @@ def main(argv=None) -> int:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--variant", type=Path, help="B: this attend.inc instead of the engine's")
     g.add_argument("--drop", choices=sorted(PARTS), help="B: the engine's attend.inc without this part")
+    g.add_argument("--bf16", action="store_true", help="B: the engine's attention with bf16 products")
     p.add_argument("--context", type=int, default=2048, help="cached positions (default 2048)")
     p.add_argument("--calls", type=int, default=400, help="calls of each version per k (default 400)")
     p.add_argument("--head", default="128x6", help="head_dim x query heads per KV head (default 128x6, the "
@@ -166,7 +173,7 @@ def main(argv=None) -> int:
     D, _, group = a.head.partition("x")
     if a.context < 1 or a.calls < 1 or not (D.isdigit() and group.isdigit() and int(D) % 16 == 0 and int(group) >= 1):
         raise SystemExit("--context and --calls: give positive numbers; --head: DxG, D a multiple of 16")
-    exe = build(variant_source(a.variant, a.drop))
+    exe = build(variant_source(a.variant, a.drop), ("-DB_ATTEND=att512::attend_bf16",) if a.bf16 else ())
     out = subprocess.run([str(exe), str(a.context), str(a.calls), str(4 * last_level_cache_bytes() if a.memory else 0), D, group],
                          capture_output=True, text=True, check=True).stdout
     print(out, end="")
