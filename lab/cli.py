@@ -335,7 +335,7 @@ def _print_kernels(r: dict) -> None:
           "%peak: of the dot-product issue peak")
     att = r["attention"]
     print(f"attention alone, one thread (head_dim {att[0]['head_dim']}, {att[0]['group']} query heads a KV head, "
-          f"cache-resident):")
+          f"cache-resident, {att[0]['products']} products):")
     print(f"{'context':>7s} {'k':>3s} {'us':>8s} {'GMAC/s':>8s}")
     for x in att:
         print(f"{x['context']:7d} {x['k']:3d} {x['us']:8.1f} {x['gmacs']:8.1f}")

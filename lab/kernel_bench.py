@@ -72,14 +72,17 @@ def attention_records(path: int, contexts=(256, 2048), ks=(1, 4, 8), rounds: int
                       head_dim: int = ATTENTION_SHAPE["head_dim"], group: int = ATTENTION_SHAPE["group"]) -> list[dict]:
     """Attention alone on one thread, as one task of a pass runs it: k tokens' `group` query
     heads against one KV head of `context` cached positions (cache-resident), every (context, k)
-    interleaved. GMAC/s counts the scores' and the values' multiply-adds."""
+    interleaved, in the products the path runs by default. GMAC/s counts the scores' and the
+    values' multiply-adds."""
+    from .engine import attention_mode
+    products = attention_mode(path, None, head_dim)
     cells = [(c, k) for c in contexts for k in ks]
     samples = interleave({(c, k): (lambda c=c, k=k: attention_samples(head_dim, group, k, c, path, reps))
                           for c, k in cells}, rounds)
     out = []
     for c, k in cells:
         us = summary(flat(samples[c, k]))["median"] * 1e6
-        out.append({"context": c, "k": k, "head_dim": head_dim, "group": group, "us": us,
+        out.append({"context": c, "k": k, "head_dim": head_dim, "group": group, "products": products, "us": us,
                     "gmacs": 2 * group * k * c * head_dim / us / 1e3})
     return out
 
