@@ -16,7 +16,12 @@ pytestmark = [pytest.mark.slow,
                                  reason="the A/B times the AVX-512 path's attention, which this CPU lacks")]
 
 
-@pytest.mark.parametrize("args", [[], ["--drop", "softmax"]])
+BF16 = int(native.lib().attention_mode(native.consts().paths.index("avx512vnni"), native.consts().attention["bf16"],
+                                       128)) >= 0 if "avx512vnni" in native.supported_paths() else False
+
+
+@pytest.mark.parametrize("args", [[], ["--drop", "softmax"],
+                                  pytest.param(["--bf16"], marks=pytest.mark.skipif(not BF16, reason="no AVX512_BF16"))])
 def test_the_ab_builds_and_times_both(args):
     out = subprocess.run([*TOOL, *args, "--calls", "5", "--context", "100"], capture_output=True, text=True,
                          check=True).stdout
