@@ -111,7 +111,7 @@ def machine_id(threads: int) -> dict:
 def costs_path(target, draft) -> Path:
     # another build of the engine, or other tuning values, runs at other speeds: another table
     m = {**machine_id(target.pool.threads), "contexts": CONTEXTS, "engine": native.loaded_key(),
-         "tuning": tune.current()}
+         "tuning": tune.current(), "attention": [e.attention for e in (target, draft) if e is not None]}
     key = hashlib.sha256(json.dumps(m, sort_keys=True).encode()).hexdigest()[:12]
     pair = f"{_content(target)[:16]}-{(_content(draft) or 'lookup')[:16]}"
     return native.cache_dir() / "costs" / f"{key}-{pair}.json"

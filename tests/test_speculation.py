@@ -255,6 +255,10 @@ def test_costs_are_measured_again_for_another_engine_build_or_tuning(files, pool
     from lab import native, tune
     target = Engine(files["target"], pool=pool, max_context=256)
     here = P.costs_path(target, None)
+    other = "bf16" if target.attention == "f32" else "f32"
+    monkeypatch.setattr(target, "attention", other)          # other products run at other speeds
+    assert P.costs_path(target, None) != here
+    monkeypatch.undo()
     monkeypatch.setattr(native, "loaded_key", lambda: "another build")
     assert P.costs_path(target, None) != here
     monkeypatch.undo()
