@@ -47,18 +47,22 @@ def perplexity(model, ids: list[int], window: int = 256, count: int | None = Non
     return math.exp(total / n)
 
 
-VARIANTS = ("f32", "q8", "q4", "q4-q8out", "twin-q8", "twin-q4-q8out")
+VARIANTS = ("f32", "q8", "q4", "q4-q8out", "twin-q8", "twin-q4-q8out", "twin-q4-q8out-bf16")
 
 
 def build(variant: str, config, weights, max_context: int = 2048):
     """f32: the reference; q8/q4/q4-q8out: the reference on quantized weights only;
-    twin-*: the full twin (weights, 8-bit activations, fp16 KV cache)."""
+    twin-*: the full twin (weights, 8-bit activations, fp16 KV cache), and with a -bf16
+    suffix its attention's operands rounded to bf16 as the engine's bf16 products round them."""
     from .reference import Reference
     from .twin import SCHEMES, Twin, quantized_reference_weights
     if variant == "f32":
         return Reference(config, weights, max_context)
     if variant.startswith("twin-"):
-        return Twin(config, weights, variant[5:], max_context)
+        scheme, bf16 = variant[5:].removesuffix("-bf16"), variant.endswith("-bf16")
+        if scheme not in SCHEMES:
+            raise ValueError(f"variant={variant!r}: choose from {', '.join(VARIANTS)}")
+        return Twin(config, weights, scheme, max_context, attention="bf16" if bf16 else "f32")
     if variant not in SCHEMES:
         raise ValueError(f"variant={variant!r}: choose from {', '.join(VARIANTS)}")
     _, deq = quantized_reference_weights(config, weights, variant)
