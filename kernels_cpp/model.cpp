@@ -225,6 +225,13 @@ struct Vec {
     static float hsum(F v) { return _mm512_reduce_add_ps(v); }
 };
 #include "attend.inc"
+}  // namespace att512
+#pragma GCC pop_options
+
+// bf16 products: a target of their own, so the float kernels above compile as before.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16")
+namespace att512 {
 #include "attend_bf16.inc"
 }  // namespace att512
 #pragma GCC pop_options
