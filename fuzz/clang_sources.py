@@ -36,6 +36,8 @@ def translate(text: str, name: str) -> str:
         if PUSH.match(line):
             out.append("// (fuzz build) " + line.strip() + end)
         elif m := TARGET.match(line):
+            if depth:           # clang would apply only the outer region's target
+                sys.exit(f"{name}:{n}: a target pragma inside another's region: close the outer one first")
             depth += 1
             out.append(f"#pragma clang attribute push(__attribute__((target({m.group(1)}))), apply_to = function)" + end)
         elif POP.match(line):

@@ -34,7 +34,9 @@ def test_translation_line_for_line():
 
 
 @pytest.mark.parametrize("src", ['#pragma GCC optimize("O3")\n', "#pragma GCC pop_options\n",
-                                 '#pragma GCC push_options\n#pragma GCC target("avx2")\n'])
+                                 '#pragma GCC push_options\n#pragma GCC target("avx2")\n',
+                                 '#pragma GCC target("avx2")\n#pragma GCC target("avx512f")\n'
+                                 '#pragma GCC pop_options\n#pragma GCC pop_options\n'])
 def test_an_untranslated_or_unbalanced_pragma_stops_the_build(src):
     with pytest.raises(SystemExit):
         clang_sources.translate(src, "x.cpp")
