@@ -39,7 +39,7 @@ int best_path();                // the fastest path this CPU runs
 int active_path();              // best_path(), lowered by LAB_KERNEL_PATH when set
 const char* path_name(int path);
 int path_from_name(const char* name);  // -1 when unknown
-int core_type(int cpu);
+int core_type(int cpu);         // hybrid CPUs: 0x40 performance, 0x20 efficiency; 0 otherwise/unknown
 // Attention's products. ATT_F32: fp16 K and V, as floats, times float queries and
 // probabilities. ATT_BF16: all four rounded to bf16 first, each product exact, summed in
 // float two at a time (vdpbf16ps: twice the multiply-adds per instruction of float FMAs).
@@ -48,7 +48,7 @@ enum AttentionMode : int { ATT_DEFAULT = -1, ATT_F32 = 0, ATT_BF16 = 1 };
 // What `mode` runs as on `path` for heads of head_dim values: ATT_F32 or ATT_BF16, or -1 where
 // the path cannot (bf16 runs on the AVX-512 path of a CPU with AVX512_BF16, with head_dim a
 // multiple of 16, and in the scalar reference).
-int attention_mode(int path, int mode, int head_dim);         // hybrid CPUs: 0x40 performance, 0x20 efficiency; 0 otherwise/unknown
+int attention_mode(int path, int mode, int head_dim);
 
 // ----------------------------------------------------------------------------
 // Thread pool: persistent workers pinned to their CPUs, spin barrier, caller is thread 0
@@ -367,7 +367,6 @@ public:
     // Attention's products (AttentionMode) for every later pass; a pass on a path that cannot
     // run them returns E_PATH. Changing it mid-context mixes the two in one cache's results.
     void set_attention(int mode);
-    int attention() const;
     // Stage timing: profile(on) zeroes the sums; while on, every pass adds each stage's wall
     // time. stage_seconds copies the sums out, stage_bytes the weight bytes each stage reads
     // in one pass (the output layer: its logits rows for one token). Both [N_STAGES].

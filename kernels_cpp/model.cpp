@@ -440,7 +440,6 @@ bool Model::set_window(int sink, int window) {
     return true;
 }
 void Model::set_attention(int mode) { impl_->att_mode = mode; }
-int Model::attention() const { return impl_->att_mode; }
 int Model::vocab() const { return impl_->vocab; }
 int Model::out_rows() const { return impl_->out_rows(); }
 const int32_t* Model::out_ids() const { return impl_->trim.fmt < 0 ? nullptr : impl_->ids.data(); }
