@@ -1,7 +1,7 @@
 """tools/attention_products.py, where the diary's figures on bf16 attention's cost in quality
 come from: on a tiny model (the scalar reference runs both products on any CPU), two
 engines with the same products agree exactly, and bf16 against f32 moves the distributions
-a little, not at all never."""
+a little but not by nothing."""
 import sys
 from pathlib import Path
 
