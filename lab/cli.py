@@ -360,12 +360,15 @@ def _print_decode(r: dict) -> None:
 
 
 def _print_vk(r: dict) -> None:
+    from .protocol import steady
     print(f"target {r['target']}, draft {r['draft']}, {r['format']}, {r['attention']} attention, {r['threads']} threads")
     for ctx in sorted({x["context"] for x in r["records"]}):
         vs = [x for x in r["records"] if x["context"] == ctx and x["kind"] == "v"]
         read = f"read ceiling {vs[0]['read_gbps_before']:.0f} GB/s before, {vs[0]['read_gbps_after']:.0f} after"
         if vs[0].get("round_trip_ns"):
             read += f"; threads {vs[0]['round_trip_ns']:.0f} ns apart"
+        if not steady(vs[0]["read_gbps_before"], vs[0]["read_gbps_after"]):
+            read += "; the bus changed state meanwhile, so these mix its two states"
         print(f"context {ctx} ({read}): " + " ".join(f"v({x['k']})={x['v']:.2f}" for x in vs))
         for x in r["records"]:
             if x["context"] == ctx and x["kind"] == "c":

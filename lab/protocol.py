@@ -12,6 +12,17 @@ import numpy as np
 from . import kernels, native
 
 
+# Two rates of one thing further apart than this: the bus changed state between them (some
+# machines flip between two read ceilings within minutes, and what was measured across a flip
+# mixes the two).
+UNSTEADY = 0.15
+
+
+def steady(a: float, b: float) -> bool:
+    """Whether two rates of one thing (two reads of the ceiling, two plain runs) agree within UNSTEADY."""
+    return abs(a / b - 1) <= UNSTEADY
+
+
 def summary(samples) -> dict:
     """Median and interquartile range of a list of timings (or rates)."""
     a = np.asarray(samples, dtype=np.float64)

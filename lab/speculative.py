@@ -4,7 +4,7 @@ prompt by prompt, paired in time.
 Each prompt's turn runs plain, then each speculative setting followed by plain again (plain,
 setting 1, plain, setting 2, ..., plain): a setting's speedup is its tokens/s over the mean of
 the two plain runs adjacent to it, so a bandwidth flip elsewhere in the turn cannot fake a
-speedup; when those two disagree by more than UNSTEADY the setting's bracket runs again (once)
+speedup; when those two disagree by more than protocol.UNSTEADY the setting's bracket runs again (once)
 and the row says so; a bracket whose runs generate for under SHORT seconds in all (prefill
 not counted) runs REPEATS times and each rate is its median repeat. Multi-turn prompts run
 every turn, the later ones seeing the model's own earlier answers, as Spec-Bench does. Every
@@ -25,10 +25,10 @@ import numpy as np
 
 from . import native, specbench
 from .policy import STATE_GAP
+from .protocol import steady
 from .spec import geomean
 from .errors import LabError
 
-UNSTEADY = 0.15
 SHORT, REPEATS = 10.0, 3
 MAX_TABLES = 4         # what a run measures at most, should plain runs never match a table
 
@@ -164,7 +164,7 @@ def _steady(plain, run, rate, before=None):
         first = before if before is not None and tries == 1 else plain()
         mine = run()
         last = plain()
-        if abs(rate(first) / rate(last) - 1) <= UNSTEADY:
+        if steady(rate(first), rate(last)):
             break
     return (first, last), mine, tries
 

@@ -273,3 +273,13 @@ def test_an_install_without_the_checkout_says_so(monkeypatch, tmp_path):
     monkeypatch.setattr(profiles, "NOTEBOOKS", tmp_path / "notebooks")
     with pytest.raises(profiles.ProfileError, match="runs from a checkout"):
         profiles.notebooks()
+
+
+def test_vk_says_when_the_bus_changed_state_during_a_context(capsys):
+    def rec(ctx, before, after):
+        return {"kind": "v", "context": ctx, "k": 1, "v": 1.0, "read_gbps_before": before, "read_gbps_after": after}
+    cli._print_vk({"target": "t", "draft": None, "format": "q4", "attention": "f32", "threads": 2,
+                   "records": [rec(256, 32.0, 34.0), rec(2048, 28.0, 51.0)], "o": 0.003,
+                   "overhead": {"o_sampled": 0.01}})
+    steady, flipped = capsys.readouterr().out.splitlines()[1:3]
+    assert "changed state" not in steady and "changed state" in flipped

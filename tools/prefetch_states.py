@@ -5,7 +5,7 @@
 whether another state wants another value. Each round reads the ceiling (a 256 MB buffer, the
 engine's threads), times a pass under every value of one Tuning field (the order
 reversing each round), and reads the ceiling again. Rounds whose two reads agree within
-STEADY fall in the band of their read; per band: each value's median ms, its median
+UNSTEADY fall in the band of their read; per band: each value's median ms, its median
 per-round ratio to the engine's default, and the pass's share of the read ceiling.
 
     .venv/bin/python tools/prefetch_states.py [--field prefetch_k1 --values 4096,8192,16384]
@@ -25,9 +25,7 @@ from lab import tune  # noqa: E402
 from lab.costs import READ_MB  # noqa: E402
 from lab.engine import Engine  # noqa: E402
 from lab.models.export import engine_file  # noqa: E402
-from lab.protocol import fill, forward_samples, read_buffer, read_sampler  # noqa: E402
-
-STEADY = 0.15
+from lab.protocol import UNSTEADY, fill, forward_samples, read_buffer, read_sampler, steady  # noqa: E402
 
 
 def measure(engine, field: str, values: list, rounds: int, context: int, k: int = 1, read_mb: int = READ_MB,
@@ -53,12 +51,12 @@ def measure(engine, field: str, values: list, rounds: int, context: int, k: int 
 
 
 def steady_bands(rounds: list[dict], edges: list[float]) -> list[tuple[float, float, list[dict], float]]:
-    """The rounds whose two reads agree within STEADY, by read ceiling, [0, e1), [e1, e2), ...:
+    """The rounds whose two reads agree within UNSTEADY, by read ceiling, [0, e1), [e1, e2), ...:
     per band that has any, (from GB/s, to GB/s, its rounds, their median read)."""
-    steady = [r for r in rounds if abs(r["read_after"] / r["read_before"] - 1) <= STEADY]
+    steady_rounds = [r for r in rounds if steady(r["read_after"], r["read_before"])]
     out = []
     for lo, hi in zip([0.0, *edges], [*edges, float("inf")]):
-        mine = [r for r in steady if lo <= (r["read_before"] + r["read_after"]) / 2 < hi]
+        mine = [r for r in steady_rounds if lo <= (r["read_before"] + r["read_after"]) / 2 < hi]
         if mine:
             out.append((lo, hi, mine, float(np.median([(r["read_before"] + r["read_after"]) / 2 for r in mine]))))
     return out
@@ -132,7 +130,7 @@ def main(argv=None) -> int:
         return 0
     steady = sum(b["rounds"] for b in res["bands"])
     print(f"{a.model} ({a.scheme}), {a.k}-token passes at context {a.context}, {e.pool.threads} threads: {steady} of {a.rounds} rounds "
-          f"steady (the two reads within {STEADY:.0%}); ratios against {a.field} = {str(default).lower()}")
+          f"steady (the two reads within {UNSTEADY:.0%}); ratios against {a.field} = {str(default).lower()}")
     for b in res["bands"]:
         print(f"read {b['from_gbps']:g}-{b['to_gbps']:g} GB/s: {b['rounds']} rounds, median {b['read_gbps']:.1f} GB/s")
         for v, x in b["values"].items():
