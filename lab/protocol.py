@@ -23,6 +23,29 @@ def steady(a: float, b: float) -> bool:
     return abs(a / b - 1) <= UNSTEADY
 
 
+def band_edges(text: str) -> list[float]:
+    """An argparse type: the read ceilings (GB/s, comma-separated) where one bus state's band
+    ends and the next begins."""
+    import argparse
+    try:
+        return sorted(float(x) for x in text.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError("GB/s, comma-separated, e.g. 40 or 45,60") from None
+
+
+def steady_bands(rounds: list[dict], edges: list[float]) -> list[tuple[float, float, list[dict], float]]:
+    """The rounds whose two reads agree within UNSTEADY, by read ceiling, [0, e1), [e1, e2), ...:
+    per band that has any, (from GB/s, to GB/s, its rounds, their median read)."""
+    steady_rounds = [r for r in rounds if steady(r["read_after"], r["read_before"])]
+    out = []
+    for lo, hi in zip([0.0, *edges], [*edges, float("inf")]):
+        mine = [r for r in steady_rounds if lo <= (r["read_before"] + r["read_after"]) / 2 < hi]
+        if mine:
+            out.append((lo, hi, mine, float(np.median([(r["read_before"] + r["read_after"]) / 2 for r in mine]))))
+    return out
+
+
+
 def summary(samples) -> dict:
     """Median and interquartile range of a list of timings (or rates)."""
     a = np.asarray(samples, dtype=np.float64)

@@ -64,6 +64,28 @@ def test_the_call_timer_times_the_engines_pool():
     assert 0 < call_overhead.parallel_for_us(pool, 200, 64) < 1e4
 
 
+def test_call_overhead_reports_each_slice_size_per_bus_state():
+    S = call_overhead.SLICES
+    r = lambda read, after, secs: {"read_before": read, "read_after": after, "secs": dict(zip(S, secs))}
+    total = 2 * 10**8
+    rounds = [r(30, 31, [0.010] * len(S)), r(32, 30, [0.012] * len(S)),      # slow: 31 GB/s median
+              r(55, 54, [0.006] * (len(S) - 1) + [0.004]),                   # fast, the largest slices faster
+              r(30, 55, [1.0] * len(S))]                                      # a flip: left out
+    slow, fast = call_overhead.by_state(rounds, [40.0], total)
+    assert (slow["rounds"], fast["rounds"]) == (2, 1)
+    assert slow["sizes"][S[0]]["secs"] == pytest.approx(0.011)
+    assert slow["read_gbps"] == pytest.approx(30.75)
+    assert slow["sizes"][S[0]]["share"] == pytest.approx(total / 0.011 / 1e9 / 30.75)
+    assert fast["sizes"][S[-1]]["us_a_call"] == pytest.approx(0.004 / (total / S[-1]) * 1e6)
+    assert fast["sizes"][S[0]]["share"] < fast["sizes"][S[-1]]["share"]
+
+
+def test_the_tools_refuse_bands_that_are_not_numbers(capsys):
+    with pytest.raises(SystemExit):
+        ps.main(["--bands", "40,fast"])
+    assert "GB/s, comma-separated" in capsys.readouterr().err
+
+
 def test_prefetch_states_bands_steady_rounds_by_their_read():
     r = lambda read, after, ms: {"read_before": read, "read_after": after, "ms": ms}
     rounds = [r(40, 41, {8192: 20.0, 16384: 22.0}), r(42, 40, {8192: 21.0, 16384: 21.0}),

@@ -21,8 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lab import kernels  # noqa: E402
 from lab.costs import READ_MB  # noqa: E402
-from lab.protocol import read_buffer, read_sampler, round_trip_ns  # noqa: E402
-from prefetch_states import steady_bands  # noqa: E402
+from lab.protocol import band_edges, read_buffer, read_sampler, round_trip_ns, steady_bands  # noqa: E402
 
 TRIPS = 100_000
 
@@ -44,7 +43,7 @@ def measure(rounds: int, read_mb: int = READ_MB, trips: int = TRIPS, progress: b
 
 
 def bands(rounds: list[dict], edges: list[float]) -> list[dict]:
-    """The steady rounds by read ceiling (as tools/prefetch_states.py bands them): per band the
+    """The steady rounds by read ceiling (lab.protocol.steady_bands): per band the
     median read and the round trip's median and quartiles."""
     out = []
     for lo, hi, mine, gbps in steady_bands(rounds, edges):
@@ -58,13 +57,10 @@ def bands(rounds: list[dict], edges: list[float]) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=150)
-    p.add_argument("--bands", default="40", help="read GB/s where one band ends and the next begins")
+    p.add_argument("--bands", type=band_edges, default="40", help="read GB/s where one band ends and the next begins")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    try:
-        edges = sorted(float(x) for x in a.bands.split(",") if x)
-    except ValueError:
-        raise SystemExit("--bands: GB/s, comma-separated") from None
+    edges = a.bands
     if a.rounds < 1:
         raise SystemExit("--rounds: a positive number")
     rounds = measure(a.rounds)

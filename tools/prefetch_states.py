@@ -25,7 +25,7 @@ from lab import tune  # noqa: E402
 from lab.costs import READ_MB  # noqa: E402
 from lab.engine import Engine  # noqa: E402
 from lab.models.export import engine_file  # noqa: E402
-from lab.protocol import UNSTEADY, fill, forward_samples, read_buffer, read_sampler, steady  # noqa: E402
+from lab.protocol import UNSTEADY, band_edges, fill, forward_samples, read_buffer, read_sampler, steady_bands  # noqa: E402
 
 
 def measure(engine, field: str, values: list, rounds: int, context: int, k: int = 1, read_mb: int = READ_MB,
@@ -47,18 +47,6 @@ def measure(engine, field: str, values: list, rounds: int, context: int, k: int 
             out.append({"read_before": before, "read_after": float(np.median(read())), "ms": ms})
     finally:
         tune.apply(restore)
-    return out
-
-
-def steady_bands(rounds: list[dict], edges: list[float]) -> list[tuple[float, float, list[dict], float]]:
-    """The rounds whose two reads agree within UNSTEADY, by read ceiling, [0, e1), [e1, e2), ...:
-    per band that has any, (from GB/s, to GB/s, its rounds, their median read)."""
-    steady_rounds = [r for r in rounds if steady(r["read_after"], r["read_before"])]
-    out = []
-    for lo, hi in zip([0.0, *edges], [*edges, float("inf")]):
-        mine = [r for r in steady_rounds if lo <= (r["read_before"] + r["read_after"]) / 2 < hi]
-        if mine:
-            out.append((lo, hi, mine, float(np.median([(r["read_before"] + r["read_after"]) / 2 for r in mine]))))
     return out
 
 
@@ -92,7 +80,7 @@ def main(argv=None) -> int:
     p.add_argument("--values", default="4096,8192,16384,32768", help="its values, comma-separated "
                    "(whole numbers, or false,true for a yes/no field); its default is always timed")
     p.add_argument("--rounds", type=int, default=120)
-    p.add_argument("--bands", default="45,60", help="read GB/s where one band ends and the next begins")
+    p.add_argument("--bands", type=band_edges, default="45,60", help="read GB/s where one band ends and the next begins")
     p.add_argument("--base", default="", help="other fields' values for the sweep, e.g. prefetch_k1_q8=8192")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true")
@@ -101,10 +89,9 @@ def main(argv=None) -> int:
         raise SystemExit(f"--field: one of {', '.join(tune.FIELDS)}")
     try:
         values = [parse_value(a.field, x) for x in a.values.split(",")]
-        edges = sorted(float(x) for x in a.bands.split(",") if x)
     except (KeyError, ValueError):
-        raise SystemExit("--values: whole numbers (false,true for a yes/no field), comma-separated; "
-                         "--bands: GB/s, comma-separated") from None
+        raise SystemExit("--values: whole numbers (false,true for a yes/no field), comma-separated") from None
+    edges = a.bands
     try:
         base = {f: parse_value(f, v) for f, v in (x.split("=", 1) for x in a.base.split(",") if x)}
     except (KeyError, ValueError):
