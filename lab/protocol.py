@@ -5,6 +5,7 @@ interquartile range; measure the ceiling in the same run as what is compared wit
 """
 from __future__ import annotations
 
+import argparse
 from typing import Callable
 
 import numpy as np
@@ -26,7 +27,6 @@ def steady(a: float, b: float) -> bool:
 def band_edges(text: str) -> list[float]:
     """An argparse type: the read ceilings (GB/s, comma-separated) where one bus state's band
     ends and the next begins."""
-    import argparse
     try:
         return sorted(float(x) for x in text.split(",") if x)
     except ValueError:
@@ -43,7 +43,6 @@ def steady_bands(rounds: list[dict], edges: list[float]) -> list[tuple[float, fl
         if mine:
             out.append((lo, hi, mine, float(np.median([(r["read_before"] + r["read_after"]) / 2 for r in mine]))))
     return out
-
 
 
 def summary(samples) -> dict:

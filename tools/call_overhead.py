@@ -98,7 +98,6 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5, help="walks of every size (default 5)")
     ap.add_argument("--bands", type=band_edges, default="", help="read GB/s where one bus state ends and the next begins, e.g. 40")
     a = ap.parse_args()
-    edges = a.bands
     if a.rounds < 1:
         raise SystemExit("--rounds: a positive number")
     pool = kernels.Pool(a.threads)
@@ -109,7 +108,7 @@ def main() -> None:
     tile = int(native.lib().packed_nbytes(native.consts().formats["q4"], 16, tune.COLS))
     total = b.W["q4"].rows // 16 * tile
     rounds = walks(b, a.rounds)
-    for band in by_state(rounds, edges, total):
+    for band in by_state(rounds, a.bands, total):
         print(f"read {band['from_gbps']:g}-{band['to_gbps']:g} GB/s: {band['rounds']} of {a.rounds} rounds, "
               f"median {band['read_gbps']:.1f} GB/s")
         for s, x in band["sizes"].items():

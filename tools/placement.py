@@ -3,9 +3,9 @@
 
 A virtual machine's vCPUs land where the hypervisor puts them, and may move. Each round reads
 the ceiling on every thread, times a cache line's round trip between the pool's threads 0 and
-1, and reads the ceiling again; rounds whose two reads agree within 15% are banded by their
-read. Two dies show as a round trip several times one die's, and as a higher ceiling: each
-die brings its own link to memory.
+1, and reads the ceiling again; rounds whose two reads agree within lab.protocol.UNSTEADY are
+banded by their read. Two dies show as a round trip several times one die's, and as a higher
+ceiling: each die brings its own link to memory.
 
     .venv/bin/python tools/placement.py [--rounds 150] [--bands 40] [--json]
 """
@@ -60,11 +60,10 @@ def main(argv=None) -> int:
     p.add_argument("--bands", type=band_edges, default="40", help="read GB/s where one band ends and the next begins")
     p.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
-    edges = a.bands
     if a.rounds < 1:
         raise SystemExit("--rounds: a positive number")
     rounds = measure(a.rounds)
-    res = {"bands": bands(rounds, edges), "rounds": rounds}
+    res = {"bands": bands(rounds, a.bands), "rounds": rounds}
     if a.json:
         print(json.dumps(res, indent=1))
         return 0

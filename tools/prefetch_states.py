@@ -91,7 +91,6 @@ def main(argv=None) -> int:
         values = [parse_value(a.field, x) for x in a.values.split(",")]
     except (KeyError, ValueError):
         raise SystemExit("--values: whole numbers (false,true for a yes/no field), comma-separated") from None
-    edges = a.bands
     try:
         base = {f: parse_value(f, v) for f, v in (x.split("=", 1) for x in a.base.split(",") if x)}
     except (KeyError, ValueError):
@@ -111,7 +110,7 @@ def main(argv=None) -> int:
         tune.apply(now)
     rounds = measure(e, a.field, values, a.rounds, a.context, a.k, base=base)
     res = {"base": base, "model": a.model, "scheme": a.scheme, "context": a.context, "k": a.k, "threads": e.pool.threads,
-           "field": a.field, "default": default, "bands": bands(rounds, edges, default, e.weight_bytes), "rounds": rounds}
+           "field": a.field, "default": default, "bands": bands(rounds, a.bands, default, e.weight_bytes), "rounds": rounds}
     if a.json:
         print(json.dumps(res, indent=1))
         return 0
