@@ -41,8 +41,10 @@ const char* path_name(int path);
 int path_from_name(const char* name);  // -1 when unknown
 int core_type(int cpu);         // hybrid CPUs: 0x40 performance, 0x20 efficiency; 0 otherwise/unknown
 // Attention's products. ATT_F32: fp16 K and V, as floats, times float queries and
-// probabilities. ATT_BF16: all four rounded to bf16 first, each product exact, summed in
-// float two at a time (vdpbf16ps: twice the multiply-adds per instruction of float FMAs).
+// probabilities. ATT_BF16: all four rounded to bf16 (K and V as the cache stores them), each
+// product exact, summed in float two at a time (vdpbf16ps: twice the multiply-adds per
+// instruction of float FMAs). A model's cache holds what its attention reads, so one model
+// runs one attention mode from its first position to its last.
 // ATT_DEFAULT: bf16 where the path has it in hardware, else f32.
 enum AttentionMode : int { ATT_DEFAULT = -1, ATT_F32 = 0, ATT_BF16 = 1 };
 // What `mode` runs as on `path` for heads of head_dim values: ATT_F32 or ATT_BF16, or -1 where

@@ -1,7 +1,7 @@
 // model.cpp — one model's forward pass over k tokens at a position, from the engine's
 // weights file: embedding, RMSNorm, fused qkv, q/k norms (Qwen3), RoPE, grouped-query
-// attention over an fp16 KV cache laid out [layer][kv_head][position][head_dim], fused
-// gate/up, SiLU, down, and the output layer (only the tokenizer's rows).
+// attention over a KV cache per [layer][kv_head] (fp16, or bf16 where attention multiplies
+// in bf16), fused gate/up, SiLU, down, and the output layer (only the tokenizer's rows).
 //
 // Every step treats each token alike whatever k is — the same kernels, summation order
 // and split over threads — so a k-token pass equals k single-token passes bit for bit
@@ -46,6 +46,15 @@ inline size_t k_at(int t, int i, int D) {
     return (size_t)(t / K_BLOCK) * K_BLOCK * D + (size_t)i * K_BLOCK + t % K_BLOCK;
 }
 constexpr int k_cache_positions(int n) { return (n + K_BLOCK - 1) / K_BLOCK * K_BLOCK; }
+// Where ATT_BF16 multiplies in bf16, the cache holds bf16 in the pairs vdpbf16ps reads: a K
+// block as [D / 2][K_BLOCK] pairs of dimensions, V as [positions / 2][D] pairs of positions,
+// so the kernel loads its operands with no conversion (docs/tuning.md). Same bytes either way.
+inline size_t k_pair_at(int t, int i, int D) {
+    return (size_t)(t / K_BLOCK) * K_BLOCK * D + (size_t)(i / 2) * 2 * K_BLOCK + (t % K_BLOCK) * 2 + i % 2;
+}
+inline size_t v_pair_at(int t, int i, int D) { return (size_t)(t / 2) * 2 * D + (size_t)2 * i + t % 2; }
+inline uint16_t bf16_bits(float f) { return (uint16_t)(f32_bits(round_bf16(f)) >> 16); }
+inline float bf16_value(uint16_t b) { return f32_from((uint32_t)b << 16); }
 
 // Attention against one KV head for `tokens` consecutive query tokens: token j's `group`
 // query heads (at q + j * q_stride, D floats each) see cached positions [0, n0 + j) and
@@ -87,20 +96,23 @@ using AttendFn = void (*)(const Queries& a, const uint16_t* K, const uint16_t* V
                           float* row);
 
 // The reference: one token at a time, one position at a time (a windowed row's positions
-// in order: the sink's, then its recent ones). BF16: the products of ATT_BF16, each operand
-// rounded to bf16 (its sums, one at a time, may differ from vdpbf16ps's pairs in the last bits).
+// in order: the sink's, then its recent ones). BF16: the products of ATT_BF16, from the bf16
+// cache, queries and probabilities rounded to bf16 (its sums, one at a time, may differ from
+// vdpbf16ps's pairs in the last bits).
 template <bool BF16>
 void attend_scalar(const Queries& a, const uint16_t* K, const uint16_t* V, float scale, float* scores,
                    float* row) {
     const int D = a.D;
     const auto op = [](float x) { return BF16 ? round_bf16(x) : x; };
+    const auto k_value = [&](int t, int i) { return BF16 ? bf16_value(K[k_pair_at(t, i, D)]) : fp16_to_fp32(K[k_at(t, i, D)]); };
+    const auto v_value = [&](int t, int i) { return BF16 ? bf16_value(V[v_pair_at(t, i, D)]) : fp16_to_fp32(V[(size_t)t * D + i]); };
     for (int r = 0; r < a.rows(); r++) {
         const int skip = a.skip(r), n = a.seen(r) - skip;
         const float* q = a.qrow(r);
         float* s = scores;
         for (int v = 0; v < n; v++) {
             const int t = a.at(v, skip);
-            for (int i = 0; i < D; i++) row[i] = op(fp16_to_fp32(K[k_at(t, i, D)]));
+            for (int i = 0; i < D; i++) row[i] = k_value(t, i);
             float acc = 0.f;
             for (int i = 0; i < D; i++) acc = std::fmaf(op(q[i]), row[i], acc);
             s[v] = acc * scale;
@@ -113,8 +125,8 @@ void attend_scalar(const Queries& a, const uint16_t* K, const uint16_t* V, float
         float* o = a.orow(r);
         std::memset(o, 0, sizeof(float) * D);
         for (int v = 0; v < n; v++) {
-            const size_t t = (size_t)a.at(v, skip);
-            for (int i = 0; i < D; i++) row[i] = op(fp16_to_fp32(V[t * D + i]));
+            const int t = a.at(v, skip);
+            for (int i = 0; i < D; i++) row[i] = v_value(t, i);
             for (int i = 0; i < D; i++) o[i] = std::fmaf(s[v], row[i], o[i]);
         }
     }
@@ -383,6 +395,7 @@ struct Model::Impl {
     void allocate();
     int ffn_hidden(int k, bool quantize, ThreadPool* pool, int path);
     void attention(int layer, int k, int pos, ThreadPool* pool, int path);
+    void store_kv(int layer, int kvh, int p, const float* k, const float* v, int path);
     int chunk(const int32_t* tok, int k, int pos, float* logits, int mode, float* hidden, int hidden_stride,
               ThreadPool* pool, int path);
 };
@@ -673,6 +686,21 @@ void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int pat
     });
 }
 
+// Position p's K and V rows of one KV head into the cache, as the path's attention reads them.
+void Model::Impl::store_kv(int layer, int kvh, int p, const float* k, const float* v, int path) {
+    const int D = h.head_dim;
+    const size_t head = ((size_t)layer * h.num_kv_heads + kvh) * cache_ctx * D;
+    uint16_t *K = kcache() + head, *V = vcache() + head;
+    if (attention_mode(path, att_mode, D) == ATT_BF16) {
+        for (int i = 0; i < D; i++) K[k_pair_at(p, i, D)] = bf16_bits(k[i]);
+        for (int i = 0; i < D; i++) V[v_pair_at(p, i, D)] = bf16_bits(v[i]);
+        return;
+    }
+    f32_to_f16_row(k, D, khalf.data(), path);
+    for (int i = 0; i < D; i++) K[k_at(p, i, D)] = khalf[i];
+    f32_to_f16_row(v, D, V + (size_t)p * D, path);
+}
+
 // SiLU(gate) * up into hb and, with `quantize`, on into acts' 8-bit blocks for the down
 // projection: each thread quantizes what it just computed, so the down matrix's input is
 // never read across cores as floats. Pieces of 512 values (16 blocks) of one token's row;
@@ -722,12 +750,8 @@ int Model::Impl::chunk(const int32_t* tok, int k, int pos, float* logits, int mo
                     x0[i + half] = b * c[i] + a * s[i];
                 }
             }
-            for (uint32_t kvh = 0; kvh < h.num_kv_heads; kvh++) {
-                const size_t head = ((size_t)l * h.num_kv_heads + kvh) * cache_ctx * D;
-                f32_to_f16_row(row + q_dim + kvh * D, D, khalf.data(), path);
-                for (int i = 0; i < D; i++) kcache()[head + k_at(p, i, D)] = khalf[i];
-                f32_to_f16_row(row + q_dim + kv_dim + kvh * D, D, &vcache()[head + (size_t)p * D], path);
-            }
+            for (uint32_t kvh = 0; kvh < h.num_kv_heads; kvh++)
+                store_kv(l, kvh, p, row + q_dim + kvh * D, row + q_dim + kv_dim + kvh * D, path);
         }
         lap(STAGE_SERIAL);
         attention(l, k, pos, pool, path);
@@ -799,8 +823,10 @@ int bench_attention(int D, int group, int tokens, int n0, int path, int reps, do
     std::vector<float> q((size_t)R * D), out((size_t)R * D), scratch(att_scratch_floats(R, n, D));
     Rng rng(1);
     const auto uniform = [&rng] { return (float)(2 * rng.uniform() - 1); };   // [-1, 1): a realistic spread of scores
-    for (auto& x : K) x = fp32_to_fp16(uniform());
-    for (auto& x : V) x = fp32_to_fp16(uniform());
+    // in the cache's own format for this path's attention (any layout: the values are random)
+    const bool bf16 = attention_mode(path, ATT_DEFAULT, D) == ATT_BF16;
+    for (auto* c : {&K, &V})
+        for (auto& x : *c) x = bf16 ? bf16_bits(uniform()) : fp32_to_fp16(uniform());
     for (auto& x : q) x = uniform();
     float* row = att_buffer(scratch.data(), R, n);
     const Queries a{q.data(), (size_t)group * D, out.data(), (size_t)group * D, group, tokens, n0, D};

@@ -103,8 +103,8 @@ class Engine:
     the read-only mapping of the file (less memory, slower decoding: 4 KB pages). verify
     checks the file's content hash the first time each version of it loads (default: yes,
     unless LAB_VERIFY=0, which `lab --no-verify` sets). attention: its products in "f32"
-    (fp16 K and V as floats) or "bf16" (every operand rounded to bf16: twice the multiply-adds
-    per instruction); None: bf16 where the path has it in hardware (AVX-512 with
+    (an fp16 KV cache, read as floats) or "bf16" (a bf16 KV cache, and every other operand
+    rounded to bf16: twice the multiply-adds per instruction); None: bf16 where the path has it in hardware (AVX-512 with
     AVX512_BF16), f32 elsewhere. `self.attention` says which runs.
     """
 

@@ -53,7 +53,8 @@ VARIANTS = ("f32", "q8", "q4", "q4-q8out", "twin-q8", "twin-q4-q8out", "twin-q4-
 def build(variant: str, config, weights, max_context: int = 2048):
     """f32: the reference; q8/q4/q4-q8out: the reference on quantized weights only;
     twin-*: the full twin (weights, 8-bit activations, fp16 KV cache), and with a -bf16
-    suffix its attention's operands rounded to bf16 as the engine's bf16 products round them."""
+    suffix its KV cache in bf16 and attention's other operands rounded to bf16, as the
+    engine's bf16 products round them."""
     from .reference import Reference
     from .twin import SCHEMES, Twin, quantized_reference_weights
     if variant == "f32":

@@ -1,6 +1,6 @@
 """The quantization twin: the reference with weights in the lab's block formats,
 activations fake-quantized to 8-bit blocks at every matmul input, and the KV cache
-rounded to fp16 (and attention's operands to bf16 where the engine multiplies in bf16) —
+rounded to fp16 (to bf16, with attention's other operands, where the engine multiplies in bf16) —
 so PyTorch predicts what the engine computes (docs/science.md §6: closely,
 never elementwise)."""
 from __future__ import annotations
@@ -115,7 +115,8 @@ class Twin(Reference):
         return super().linear(x, name)
 
     def store_kv(self, layer: int, pos: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        super().store_kv(layer, pos, k.half().float(), v.half().float())
+        cache = torch.bfloat16 if self.attention_products == "bf16" else torch.half
+        super().store_kv(layer, pos, k.to(cache).float(), v.to(cache).float())
 
     def attention_operand(self, x: torch.Tensor) -> torch.Tensor:
         return x.bfloat16().float() if self.attention_products == "bf16" else x
