@@ -112,6 +112,9 @@ struct Tuning {
     bool q4_mem_acc_k2 = true, q4_mem_acc_k4 = false, q8_mem_acc_k2 = true, q8_mem_acc_k4 = true;
     int64_t guided_min_bytes = 96 << 10;    // the smallest guided share
     int64_t guided_from_bytes = 4 << 20;    // smaller matrices go in static halves
+    // From this many tokens (0: never) a KV head's attention goes to two tasks of half the
+    // tokens each, not one: more tasks than threads, which the pool then evens out.
+    int att_split_k = 0;
 };
 Tuning default_tuning();                    // the above, with this CPU's default q4_single_k2
 Tuning tuning();                            // the values in force
@@ -532,6 +535,10 @@ void fill_random(uint8_t* buf, int64_t n, uint64_t seed);
 // `group` heads each (head_dim D) against one KV head with n0 positions cached before the
 // first token. Seconds per call, one per repeat, after a warm-up; 1 for a bad argument.
 int bench_attention(int D, int group, int tokens, int n0, int path, int reps, double* secs);
+// The attention stage of a pass on the pool: `layers` layers of KV heads, each task as the
+// engine splits them (attention_per), K and V over the caches' size.
+int bench_attention_pool(int D, int group, int KV, int tokens, int n0, int layers, int path, ThreadPool* pool,
+                         int reps, double* secs);
 // Times `reps` forward passes of k tokens at pos (after one warm-up); logits: [k][vocab].
 int bench_forward(Model& m, const int32_t* tokens, int k, int pos, int mode, ThreadPool* pool,
                   int path, int reps, double* secs, float* logits);

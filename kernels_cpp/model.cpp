@@ -660,29 +660,45 @@ static AttendFn attend_for(int path, int D, int mode) {
     return att256::attend;
 }
 
+// Tokens per attention task: one KV head and up to this many tokens, whose query heads all
+// share each K and V row it reads (a verification pass reads the cache once per task, not once
+// per token). As many as the scratch's `rows` hold, or half of k from Tuning's att_split_k,
+// in chunks as even as they can be, as long as every thread still gets a task.
+int attention_per(int k, int group, int KV, int threads, int rows) {
+    const int split = tuning().att_split_k;
+    int per = std::min(k, rows / group);
+    if (split && k >= split && per == k) per = (k + 1) / 2;
+    const int chunks = (k + per - 1) / per;
+    per = (k + chunks - 1) / chunks;
+    while (per > 1 && KV * ((k + per - 1) / per) < threads) per--;
+    return per;
+}
+
+// A layer's attention tasks on the pool, handed out one at a time: task(kvh, j0, n, scratch)
+// runs tokens [j0, j0 + n) of KV head kvh on its thread's scratch.
+template <class F>
+void attention_tasks(ThreadPool* pool, int KV, int k, int per, float* scratch, size_t per_thread, F&& task) {
+    const int chunks = (k + per - 1) / per;
+    for_range(pool, KV * chunks, 1, [&](int b, int e, int tid) {
+        for (int t = b; t < e; t++) {
+            const int j0 = t % chunks * per;
+            task(t / chunks, j0, std::min(per, k - j0), scratch + (size_t)tid * per_thread);
+        }
+    });
+}
+
 void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int path) {
     const int D = h.head_dim, KV = h.num_kv_heads, group = h.num_heads / KV;
     const float scale = (float)std::pow((double)D, -0.5);
     const size_t per_thread = att_scratch_floats(att_rows, max_ctx, D);
     const AttendFn attend = attend_for(path, D, att_mode);
-    // A task: one KV head and up to `per` tokens, whose query heads all share each K and V
-    // row it reads (a verification pass reads the cache once, not once per token) -- as long
-    // as every thread still gets a task.
-    const int threads = pool ? pool->size() : 1;
-    int per = std::min(k, att_rows / group);
-    while (per > 1 && KV * ((k + per - 1) / per) < threads) per--;
-    const int chunks = (k + per - 1) / per;
-    for_range(pool, KV * chunks, 1, [&](int b, int e, int tid) {
-        float* scores = scratch.data() + (size_t)tid * per_thread;
-        float* row = att_buffer(scores, att_rows, max_ctx);
-        for (int task = b; task < e; task++) {
-            const int kvh = task / chunks, j0 = task % chunks * per;
-            const size_t base = (((size_t)layer * KV + kvh) * cache_ctx) * D;
-            const Queries a{qkv.data() + (size_t)j0 * qkv_rows + (size_t)kvh * group * D, (size_t)qkv_rows,
-                            att.data() + (size_t)j0 * q_dim + (size_t)kvh * group * D, (size_t)q_dim,
-                            group, std::min(per, k - j0), pos + j0 + 1, D, att_sink, att_window};
-            attend(a, kcache() + base, vcache() + base, scale, scores, row);
-        }
+    const int per = attention_per(k, group, KV, pool ? pool->size() : 1, att_rows);
+    attention_tasks(pool, KV, k, per, scratch.data(), per_thread, [&](int kvh, int j0, int n, float* scores) {
+        const size_t base = (((size_t)layer * KV + kvh) * cache_ctx) * D;
+        const Queries a{qkv.data() + (size_t)j0 * qkv_rows + (size_t)kvh * group * D, (size_t)qkv_rows,
+                        att.data() + (size_t)j0 * q_dim + (size_t)kvh * group * D, (size_t)q_dim,
+                        group, n, pos + j0 + 1, D, att_sink, att_window};
+        attend(a, kcache() + base, vcache() + base, scale, scores, att_buffer(scores, att_rows, max_ctx));
     });
 }
 
@@ -836,6 +852,52 @@ int bench_attention(int D, int group, int tokens, int n0, int path, int reps, do
     for (int r = 0; r < reps; r++) {
         const double t0 = now();
         attend(a, K.data(), V.data(), scale, scratch.data(), row);
+        secs[r] = now() - t0;
+    }
+    return 0;
+}
+
+// The attention stage of an 8-token-style pass on the pool, as Model::attention runs it:
+// `layers` layers of KV heads, each of n0 + tokens - 1 cached positions (over the caches'
+// size, from memory), `tokens` query tokens of `group` heads a KV head.
+int bench_attention_pool(int D, int group, int KV, int tokens, int n0, int layers, int path, ThreadPool* pool,
+                         int reps, double* secs) {
+    if (D < 16 || D % 16 || group < 1 || KV < 1 || tokens < 1 || tokens > MAX_K || n0 < 1 || layers < 1 ||
+        reps < 1 || path < 0 || path >= PATH_COUNT || !path_supported(path))
+        return 1;
+    const int n = n0 + tokens - 1, rows = std::max(group, ATT_ROWS / group * group);
+    const size_t head = (size_t)k_cache_positions(n) * D, heads = (size_t)layers * KV;
+    const bool bf16 = attention_mode(path, ATT_DEFAULT, D) == ATT_BF16;
+    Buffer KB((int64_t)(2 * head * heads)), VB((int64_t)(2 * head * heads));     // on 2 MB pages, as the engine's
+    uint16_t *K = (uint16_t*)KB.data(), *V = (uint16_t*)VB.data();
+    Rng rng(1);
+    const auto uniform = [&rng] { return (float)(2 * rng.uniform() - 1); };
+    for (size_t i = 0; i < head * heads; i++) {
+        K[i] = bf16 ? bf16_bits(uniform()) : fp32_to_fp16(uniform());
+        V[i] = bf16 ? bf16_bits(uniform()) : fp32_to_fp16(uniform());
+    }
+    const size_t stride = (size_t)KV * group * D, per_thread = att_scratch_floats(rows, n, D);
+    std::vector<float> q((size_t)tokens * stride), out((size_t)tokens * stride);
+    std::vector<float> scratch((size_t)(pool ? pool->size() : 1) * per_thread + 16);
+    for (auto& x : q) x = uniform();
+    const AttendFn attend = attend_for(path, D, ATT_DEFAULT);
+    const float scale = 1.0f / std::sqrt((float)D);
+    const int per = attention_per(tokens, group, KV, pool ? pool->size() : 1, rows);
+    PinScope pin(pool);
+    const auto stage = [&] {
+        for (int l = 0; l < layers; l++)
+            attention_tasks(pool, KV, tokens, per, scratch.data(), per_thread, [&](int kvh, int j0, int m, float* sc) {
+                const Queries a{q.data() + (size_t)j0 * stride + (size_t)kvh * group * D, stride,
+                                out.data() + (size_t)j0 * stride + (size_t)kvh * group * D, stride, group, m,
+                                n0 + j0, D};
+                const size_t at = ((size_t)l * KV + kvh) * head;
+                attend(a, K + at, V + at, scale, sc, att_buffer(sc, rows, n));
+            });
+    };
+    stage();                                                   // warm-up: pages, caches
+    for (int r = 0; r < reps; r++) {
+        const double t0 = now();
+        stage();
         secs[r] = now() - t0;
     }
     return 0;

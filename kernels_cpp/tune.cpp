@@ -31,7 +31,7 @@ int set_tuning(const Tuning& t) {
     const bool ok = t.prefetch_k1 >= 0 && t.prefetch_k1 <= FAR && t.prefetch_k1_q8 >= 0 &&
                     t.prefetch_k1_q8 <= FAR && t.prefetch_l1_k >= 0 &&
                     t.prefetch_l1_k <= FAR && t.prefetch_l2_k >= 0 && t.prefetch_l2_k <= FAR &&
-                    t.guided_min_bytes > 0 && t.guided_from_bytes >= 0;
+                    t.guided_min_bytes > 0 && t.guided_from_bytes >= 0 && t.att_split_k >= 0;
     if (!ok) return 1;
     in_force() = t;
     return 0;

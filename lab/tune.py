@@ -33,6 +33,7 @@ import numpy as np
 
 from . import kernels, native
 from .files import write_text_atomic
+from .kernel_bench import ATTENTION_SHAPE
 from .protocol import interleave, matmul_samples, read_buffer, read_sampler, round_trip_ns, summary
 from .slowcore import SlowCore
 
@@ -40,7 +41,8 @@ SINGLE_K = (2, 3, 4)     # the token counts whose prefetch scheme is chosen, per
 SINGLE = {f"{fmt}_single_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in SINGLE_K}   # field -> what it moves
 MEM_ACC = {f"{fmt}_mem_acc_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in (2, 4)}      # the AVX-512 path's only
 FLAGS = (*SINGLE, *MEM_ACC)      # the yes/no fields
-FIELDS = ("prefetch_k1", "prefetch_k1_q8", "prefetch_l1_k", "prefetch_l2_k", *FLAGS, "guided_min_bytes", "guided_from_bytes")
+FIELDS = ("prefetch_k1", "prefetch_k1_q8", "prefetch_l1_k", "prefetch_l2_k", *FLAGS, "guided_min_bytes", "guided_from_bytes",
+          "att_split_k")
 MB = 1 << 20
 # What the tuner tries besides the default (which it always tries).
 PREFETCH_K1 = (0, 2048, 4096, 8192, 16384)   # per format; 0: the hardware prefetcher alone
@@ -50,6 +52,10 @@ GUIDED_FROM = (1 * MB, 2 * MB, 4 * MB, 8 * MB, 16 * MB)
 SPLIT_SIZES = (1 * MB, 2 * MB, 4 * MB, 8 * MB)   # the matrix sizes the split threshold is judged on
 GUIDED_MIN = (32 << 10, 64 << 10, 192 << 10, 384 << 10)
 SHARE_SIZES = (8 * MB, 32 * MB)   # guided matrices the smallest share is judged on
+ATT_SPLIT_K = (0, 8)              # from k tokens a KV head's attention goes to two tasks (0: never)
+# The attention stage the split is judged on: an 8-token verification at context 2048 of
+# the 1.5B's heads (ATTENTION_SHAPE, 2 KV heads), its 28 layers' K and V from memory.
+ATT_STAGE = {"kv_heads": 2, "tokens": 8, "context": 2048, "layers": 28}
 MARGIN = 0.98           # a candidate replaces the default at a median paired time ratio this low,
                         # and only if it was faster in three rounds of four (upper quartile < 1)
                         # when timed alone against it; the first timing, of every candidate, only
@@ -125,6 +131,7 @@ def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
         **{f: {str(v).lower(): {f: v} for v in (False, True)} for f in (*SINGLE, *MEM_ACC)},
         "guided_from_bytes": {str(v): {"guided_from_bytes": v} for v in froms},
         "guided_min_bytes": {str(v): {"guided_min_bytes": v} for v in mins},
+        "att_split_k": {str(v): {"att_split_k": v} for v in sorted({*ATT_SPLIT_K, base["att_split_k"]})},
     }
 
 
@@ -277,6 +284,15 @@ class _Bench:
         """Seconds per pass over the whole matrix, split the engine's way over `matmul_pool`."""
         return matmul_samples(self.W[fmt], self.acts[k], self.matmul_pool, self.path, self.guided, self.reps)
 
+    def attention(self) -> list[float]:
+        """Seconds per attention stage of a verification pass (ATT_STAGE) on the pool."""
+        ns, secs, a = native.lib(), np.zeros(self.reps), ATT_STAGE
+        rc = ns.bench_attention_pool(ATTENTION_SHAPE["head_dim"], ATTENTION_SHAPE["group"], a["kv_heads"], a["tokens"],
+                                     a["context"], a["layers"], self.path, self.pool._pool, self.reps, secs)
+        if rc:
+            raise RuntimeError(f"bench_attention_pool failed with code {rc}")
+        return list(secs)
+
     @contextlib.contextmanager
     def one_thread(self):
         """Matrix products on one thread meanwhile."""
@@ -350,7 +366,7 @@ def _label(cands: dict[str, dict], values: dict) -> str:
 def _stage_samplers(b: _Bench) -> dict[str, Callable[[], list[float]]]:
     """What each prefetch stage times: the kernels whose speed its values move."""
     return {"prefetch_k1": lambda: b.matmul("q4", 1), "prefetch_k1_q8": lambda: b.matmul("q8", 1),
-            "prefetch_k": lambda: b.both(4),
+            "prefetch_k": lambda: b.both(4), "att_split_k": b.attention,
             **{f: (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for f, (fmt, k) in (SINGLE | MEM_ACC).items()}}
 
 
@@ -435,7 +451,8 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
     base, stages = defaults(), candidates()
     # what this path and pool can move
     prefetching, split, registers = b.path_name != "scalar", b.pool.threads > 1, b.path_name == "avx512vnni"
-    run = [s for s in stages if (split if s.startswith("guided") else registers if s in MEM_ACC else prefetching)]
+    split_stages = ("guided_from_bytes", "guided_min_bytes", "att_split_k")      # only a pool's split moves them
+    run = [s for s in stages if (split if s in split_stages else registers if s in MEM_ACC else prefetching)]
     measured, chosen, confirmed = {}, {}, {}
     read_before, trip_before = b.read_gbps(), round_trip_ns(b.pool)
     try:

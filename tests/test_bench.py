@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from lab import ceilings, kernel_bench, native, protocol, speedups, steps
+from lab.kernels import Pool
 
 ROOT = native.SOURCE_DIR.parent
 
@@ -59,6 +60,10 @@ def test_attention_bench_runs_every_path_and_refuses_bad_shapes(path):
     assert ns.bench_attention(64, 7, 5, 100, pid, 2, secs) == 0 and (secs > 0).all()
     for bad in ((60, 7, 5, 100), (64, 0, 5, 100), (64, 7, 0, 100), (64, 7, 99, 100), (64, 7, 5, 0)):
         assert ns.bench_attention(*bad, pid, 2, secs) == 1, bad
+    pool = Pool(min(2, len(__import__("os").sched_getaffinity(0))))
+    assert ns.bench_attention_pool(64, 7, 2, 5, 100, 3, pid, pool._pool, 2, secs) == 0 and (secs > 0).all()
+    for bad in ((64, 7, 0, 5, 100, 3), (64, 7, 2, 5, 100, 0), (60, 7, 2, 5, 100, 3)):
+        assert ns.bench_attention_pool(*bad, pid, pool._pool, 2, secs) == 1, bad
 
 
 def test_decode_stages_json(tmp_path):

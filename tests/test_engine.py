@@ -109,6 +109,26 @@ def test_k_token_pass_equals_single_passes(files, scheme, path, attention):
 
 
 @pytest.mark.parametrize("path,attention", path_attention())
+def test_every_attention_split_keeps_every_bit(files, pool, path, attention):
+    """Whichever split the tuner picks (att_split_k), a k-token pass equals single passes: a
+    row's numbers do not depend on the rows beside it in its task."""
+    from lab import tune
+    c = TINY["tiny-qwen3"]
+    toks = prompts(c, 1, seed=6)[0] + list(range(40))
+    e = Engine(files["tiny-qwen3"]["q4-q8out"], pool=pool, max_context=256, path=path, attention=attention)
+    before = tune.current()
+    try:
+        for sets in [*tune.candidates()["att_split_k"].values(), {"att_split_k": 2}]:
+            tune.apply({**before, **sets})
+            e.forward(toks[:8], 0, logits="none")
+            singles = np.stack([e.forward([t], 8 + j, logits="last") for j, t in enumerate(toks[8:24])])
+            for k in range(1, 17):
+                assert e.forward(toks[8:8 + k], 8).tobytes() == singles[:k].tobytes(), (sets, k)
+    finally:
+        tune.apply(before)
+
+
+@pytest.mark.parametrize("path,attention", path_attention())
 def test_attention_across_cache_blocks(files, pool, path, attention):
     """Scores over many blocks of the K cache, up to a last position inside a block (a
     max_context of 203, padded to 208): a k-token pass still equals single passes, and every
