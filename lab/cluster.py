@@ -315,13 +315,23 @@ def _outcome(client: Client, f, job: _Job, pname: str) -> tuple[dict, dict]:
     return _failed(job.notebook, pname, why, job.machine), {}
 
 
+def _alive(client: Client) -> set[str] | None:
+    """The workers the scheduler holds now, or None when it did not answer: the client's cached
+    view, which scheduler_info() falls back to then, lists no workers, so every machine would
+    read as gone."""
+    try:
+        return set(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
+    except OSError:
+        return None
+
+
 def _collect(client: Client, jobs: dict, out: Path, pname: str, infos: dict[str, dict]) -> list[dict]:
     """Saves each result as it comes; a job whose machines have all left is failed, not waited on."""
     entries, total = [], len(jobs)
     while jobs:
-        alive = set(client.scheduler_info()["workers"])
+        alive = _alive(client)
         for f, job in list(jobs.items()):
-            if not f.done() and job.allowed & alive:
+            if not f.done() and (alive is None or job.allowed & alive):
                 continue
             del jobs[f]
             entry, files = _outcome(client, f, job, pname)
