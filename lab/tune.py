@@ -84,6 +84,8 @@ def moves(a: dict, b: dict, k: int) -> bool:
     diff = {f for f in FIELDS if a[f] != b[f]}
     if diff & {"guided_min_bytes", "guided_from_bytes"}:
         return True
+    if "att_split_k" in diff and k >= min(x["att_split_k"] for x in (a, b) if x["att_split_k"]):
+        return True
     for fmt, k1 in (("q4", "prefetch_k1"), ("q8", "prefetch_k1_q8")):
         if {f"{fmt}_single_k{k}", f"{fmt}_mem_acc_k{k}"} & diff:
             return True
@@ -364,9 +366,9 @@ def _label(cands: dict[str, dict], values: dict) -> str:
 
 
 def _stage_samplers(b: _Bench) -> dict[str, Callable[[], list[float]]]:
-    """What each prefetch stage times: the kernels whose speed its values move."""
-    return {"prefetch_k1": lambda: b.matmul("q4", 1), "prefetch_k1_q8": lambda: b.matmul("q8", 1),
-            "prefetch_k": lambda: b.both(4), "att_split_k": b.attention,
+    """What each other stage times: the kernels whose speed its values move (the single-token
+    distances: _stream_times)."""
+    return {"prefetch_k": lambda: b.both(4), "att_split_k": b.attention,
             **{f: (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for f, (fmt, k) in (SINGLE | MEM_ACC).items()}}
 
 
@@ -410,7 +412,13 @@ SPLIT_TIMERS = {"guided_from_bytes": _threshold_times, "guided_min_bytes": _shar
 # The single-token stream's stages, timed on every thread and again on one, each round's ratio the
 # worse of the two: where the threads do not share one link to memory, as when a hypervisor
 # puts two vCPUs on different dies, each core's own memory parallelism binds (docs/tuning.md).
-ONE_THREAD = ("prefetch_k1", "prefetch_k1_q8")
+ONE_THREAD = {"prefetch_k1": "q4", "prefetch_k1_q8": "q8"}     # stage -> the format whose stream it sets
+
+
+def single_ks(fmt: str, values: dict) -> list[int]:
+    """The token counts that run `fmt`'s single-token scheme under `values`: its distance moves
+    them all, and a distance that helps one token lost 1.5-4.4% at two (docs/tuning.md)."""
+    return [1, *(k for k in SINGLE_K if values[f"{fmt}_single_k{k}"])]
 
 
 def _worse_of(timings: list[dict[str, list[float]]], default: str) -> dict[str, list[float]]:
@@ -419,22 +427,34 @@ def _worse_of(timings: list[dict[str, list[float]]], default: str) -> dict[str, 
             for n in timings[0]}
 
 
-def _bar_rounds(stage: str, rounds: int, threads: int = 1) -> int:
+def _bar_rounds(stage: str, rounds: int, threads: int = 1, base: dict | None = None) -> int:
     """The progress bar's rounds for one timing of a stage's candidates on `threads` threads."""
-    return rounds * (2 if stage in SPLIT_TIMERS or (stage in ONE_THREAD and threads > 1) else 1)
+    if stage in ONE_THREAD:
+        return rounds * len(single_ks(ONE_THREAD[stage], base or defaults())) * (2 if threads > 1 else 1)
+    return rounds * (2 if stage in SPLIT_TIMERS else 1)
 
 
 def _times(stage: str, cands: dict[str, dict], b: _Bench, base: dict, rounds: int, bar) -> dict[str, list[float]]:
     if stage in SPLIT_TIMERS:
         return _held_up(SPLIT_TIMERS[stage], b, base, cands, rounds, bar)
+    if stage in ONE_THREAD:
+        return _stream_times(ONE_THREAD[stage], b, base, cands, rounds, bar)
     sample = _stage_samplers(b)[stage]
-    fns = {n: (lambda sets=sets: (apply({**base, **sets}), sample())[1]) for n, sets in cands.items()}
-    if stage not in ONE_THREAD or b.pool.threads == 1:
-        return _per_round(fns, rounds, bar)
-    every = _per_round(fns, rounds, bar)
-    with b.one_thread():
-        one = _per_round(fns, rounds, bar)
-    return _worse_of([every, one], _label(cands, base))
+    return _per_round({n: (lambda sets=sets: (apply({**base, **sets}), sample())[1]) for n, sets in cands.items()},
+                      rounds, bar)
+
+
+def _stream_times(fmt: str, b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
+    """A single-token distance's ratios to the default per round: the worst over every token count
+    that runs the scheme (single_ks), each on every thread and on one."""
+    timings = []
+    for k in single_ks(fmt, base):
+        fns = {n: (lambda sets=sets, k=k: (apply({**base, **sets}), b.matmul(fmt, k))[1]) for n, sets in cands.items()}
+        timings.append(_per_round(fns, rounds, bar))
+        if b.pool.threads > 1:
+            with b.one_thread():
+                timings.append(_per_round(fns, rounds, bar))
+    return _worse_of(timings, _label(cands, base))
 
 
 def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
@@ -456,14 +476,14 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
     measured, chosen, confirmed = {}, {}, {}
     read_before, trip_before = b.read_gbps(), round_trip_ns(b.pool)
     try:
-        with tqdm(total=sum(_bar_rounds(s, rounds, b.pool.threads) for s in run), desc="lab tune", unit="round",
+        with tqdm(total=sum(_bar_rounds(s, rounds, b.pool.threads, base) for s in run), desc="lab tune", unit="round",
                   disable=not progress, file=sys.stderr) as bar:
             for stage in run:
                 cands, default = stages[stage], _label(stages[stage], base)
                 _, measured[stage] = _pick(_times(stage, cands, b, base, rounds, bar), default)
                 chosen[stage] = _nominee(measured[stage], default)
                 if chosen[stage] != default:
-                    bar.total += _bar_rounds(stage, AGAIN * rounds, b.pool.threads)   # a nominee is timed once more
+                    bar.total += _bar_rounds(stage, AGAIN * rounds, b.pool.threads, base)   # a nominee is timed once more
                     pair = {n: cands[n] for n in (default, chosen[stage])}
                     again, ratios = _pick(_times(stage, pair, b, base, AGAIN * rounds, bar), default)
                     confirmed[stage] = {"candidate": chosen[stage], **ratios[chosen[stage]]}

@@ -309,6 +309,7 @@ def test_moves_says_which_passes_a_change_can_touch():
         (("q8_mem_acc_k2", False),): {2},
         (("q4_single_k3", True),): {3},
         (("guided_from_bytes", 1 << 20),): {1, 2, 3, 4, 8},
+        (("att_split_k", 8),): {8},                              # attention's tasks from 8 tokens
         (): set(),
     }
     for changes, ks in cases.items():
@@ -366,8 +367,29 @@ def test_the_single_token_stages_hold_up_on_one_thread_too(restore, monkeypatch)
         calls.append(one)
         return {n: [(1.1 if one else 0.95) if n == other else 1.0] * rounds for n in fns}
     monkeypatch.setattr(tune, "_per_round", per_round)
-    times = tune._times("prefetch_k1", cands, b, tune.defaults(), 3, None)
+    one_token = {**tune.defaults(), **{f"q4_single_k{k}": False for k in tune.SINGLE_K}}   # the scheme at k = 1 only
+    times = tune._times("prefetch_k1", cands, b, one_token, 3, None)
     assert calls == [False, True] and b.matmul_pool is b.pool
     assert times[other] == [pytest.approx(1.1)] * 3 and times[default] == [1.0] * 3
     assert tune._pick(times, default)[0] == default
-    assert tune._bar_rounds("prefetch_k1", 3, 2) == 6 and tune._bar_rounds("prefetch_k", 3, 2) == 3
+    assert tune._bar_rounds("prefetch_k1", 3, 2, one_token) == 6 and tune._bar_rounds("prefetch_k", 3, 2) == 3
+
+
+def test_a_single_token_distance_is_judged_at_every_token_count_it_moves(restore, monkeypatch):
+    """The 8-bit distance moves two-token passes too where they take the single-token scheme
+    (q8_single_k2): one that wins at one token but loses at two is not picked."""
+    cands = tune.candidates()["prefetch_k1_q8"]
+    base = {**tune.defaults(), "q8_single_k2": True, "q8_single_k3": False, "q8_single_k4": False}
+    default = tune._label(cands, base)
+    other = next(n for n in cands if n != default)
+    b = tune._Bench(1, 1, 1)
+    monkeypatch.setattr(b, "matmul", lambda fmt, k: [float(k)])        # its "seconds" say which k ran
+
+    def per_round(fns, rounds, bar):
+        return {n: [(0.95 if fn()[0] == 1 else 1.1) if n == other else 1.0] * rounds for n, fn in fns.items()}
+    monkeypatch.setattr(tune, "_per_round", per_round)
+    assert tune.single_ks("q8", base) == [1, 2]
+    times = tune._times("prefetch_k1_q8", cands, b, base, 3, None)
+    assert times[other] == [pytest.approx(1.1)] * 3
+    assert tune._pick(times, default)[0] == default
+    assert tune._bar_rounds("prefetch_k1_q8", 3, 1, base) == 6
