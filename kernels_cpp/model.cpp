@@ -624,6 +624,9 @@ int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, T
     lap(STAGE_SERIAL);
     if (W.fmt == FMT_F32) {
         const int cols = W.cols;
+        // the quantizer stops the other formats at a NaN or inf; this keeps f32 from passing one on
+        for (int64_t i = 0; i < (int64_t)k * cols; i++)
+            if (!std::isfinite(xin[i])) return E_NONFINITE;
         for_range(pool, rows, 0, [&](int b, int e, int) {
             for (int r = b; r < e; r++)
                 for (int t = 0; t < k; t++) {

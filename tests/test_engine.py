@@ -194,7 +194,8 @@ def test_bf16_values_ignore_what_the_cache_holds_past_them(pool, tmp_path):
     toks = [1, 2, 3, 4, 5]
     want = e.forward(toks, 0)
     assert np.isfinite(want).all()
-    assert not np.isfinite(e.forward([hot], len(toks))).all()   # its infinite V now at position 5
+    with pytest.raises(EngineError, match="NaN or inf"):
+        e.forward([hot], len(toks))                           # leaves its infinite V at position 5
     assert e.forward(toks, 0).tobytes() == want.tobytes()
 
 
@@ -552,15 +553,16 @@ def test_bf16_rounding_matches_torch():
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("scheme", ["q8", "f32"])
 @pytest.mark.parametrize("where", ["model.layers.0.input_layernorm.weight",
                                    "model.layers.0.post_attention_layernorm.weight"])
-def test_overflowing_activations_are_an_error(pool, tmp_path, where):
+def test_overflowing_activations_are_an_error(pool, tmp_path, where, scheme):
     """Activations that overflow (before the attention, or in the feed-forward block) stop the
-    pass with a clear error rather than wrong logits."""
+    pass with a clear error rather than wrong logits, float weights as well as quantized."""
     c = TINY["tiny-qwen3"]
     w = tiny_weights(c, seed=1)
     w[where] = w[where] * 3e38                             # overflows to inf in the next product
-    e = Engine(ex.export(c, w, tmp_path / "hot.lab", "q8"), pool=pool, max_context=64)
+    e = Engine(ex.export(c, w, tmp_path / "hot.lab", scheme), pool=pool, max_context=64)
     with pytest.raises(EngineError, match="NaN or inf"):
         e.forward([1, 2, 3], 0)
 
