@@ -37,6 +37,8 @@ namespace {
 // scores, [rows][context], are its scratch. 48 holds an 8-token verification of a model with
 // 6 query heads a KV head in one task, which then reads that head's K and V once.
 constexpr int ATT_ROWS = 48;
+// A task's rows at most for `group` query heads a KV head: whole tokens, at least one.
+constexpr int att_task_rows(int group) { return group > ATT_ROWS ? group : ATT_ROWS / group * group; }
 
 // The K cache keeps each head's positions in blocks of K_BLOCK, dimension-major within a
 // block ([D][K_BLOCK] fp16), so a vector of scores reads one dimension of K_BLOCK positions
@@ -583,7 +585,7 @@ void Model::Impl::allocate() {
     gu.resize((size_t)K * 2 * I); hb.resize((size_t)K * I);
     logits_tmp.resize((size_t)K * vocab);
     const int group = h.num_heads / h.num_kv_heads;
-    att_rows = std::max(group, ATT_ROWS / group * group);
+    att_rows = att_task_rows(group);
     scratch.resize((size_t)online_cpus() * att_scratch_floats(att_rows, max_context, h.head_dim) + 64);
 }
 
@@ -829,8 +831,18 @@ int Model::forward(const int32_t* tokens, int k, int pos, float* logits, int mod
 }
 
 // ============================================================================
-// Attention alone, for `lab bench kernels`
+// Attention alone, for `lab bench kernels` and `lab tune`
 // ============================================================================
+
+// [-1, 1): a realistic spread of scores.
+static float uniform(Rng& rng) { return (float)(2 * rng.uniform() - 1); }
+
+// n random K or V values in the cache's format for this path's attention (any layout: the
+// values are random).
+static void random_cache(uint16_t* c, size_t n, int path, int D, Rng& rng) {
+    const bool bf16 = attention_mode(path, ATT_DEFAULT, D) == ATT_BF16;
+    for (size_t i = 0; i < n; i++) c[i] = bf16 ? bf16_bits(uniform(rng)) : fp32_to_fp16(uniform(rng));
+}
 
 int bench_attention(int D, int group, int tokens, int n0, int path, int reps, double* secs) {
     if (D < 16 || D % 16 || group < 1 || tokens < 1 || tokens > MAX_K || n0 < 1 || reps < 1 || path < 0 ||
@@ -841,12 +853,8 @@ int bench_attention(int D, int group, int tokens, int n0, int path, int reps, do
     std::vector<uint16_t> K(cached), V(cached);
     std::vector<float> q((size_t)R * D), out((size_t)R * D), scratch(att_scratch_floats(R, n, D));
     Rng rng(1);
-    const auto uniform = [&rng] { return (float)(2 * rng.uniform() - 1); };   // [-1, 1): a realistic spread of scores
-    // in the cache's own format for this path's attention (any layout: the values are random)
-    const bool bf16 = attention_mode(path, ATT_DEFAULT, D) == ATT_BF16;
-    for (auto* c : {&K, &V})
-        for (auto& x : *c) x = bf16 ? bf16_bits(uniform()) : fp32_to_fp16(uniform());
-    for (auto& x : q) x = uniform();
+    for (auto* c : {&K, &V}) random_cache(c->data(), c->size(), path, D, rng);
+    for (auto& x : q) x = uniform(rng);
     float* row = att_buffer(scratch.data(), R, n);
     const Queries a{q.data(), (size_t)group * D, out.data(), (size_t)group * D, group, tokens, n0, D};
     const AttendFn attend = attend_for(path, D, ATT_DEFAULT);
@@ -860,7 +868,7 @@ int bench_attention(int D, int group, int tokens, int n0, int path, int reps, do
     return 0;
 }
 
-// The attention stage of an 8-token-style pass on the pool, as Model::attention runs it:
+// The attention stage of a pass of `tokens` tokens on the pool, as Model::attention runs it:
 // `layers` layers of KV heads, each of n0 + tokens - 1 cached positions (over the caches'
 // size, from memory), `tokens` query tokens of `group` heads a KV head.
 int bench_attention_pool(int D, int group, int KV, int tokens, int n0, int layers, int path, ThreadPool* pool,
@@ -868,21 +876,16 @@ int bench_attention_pool(int D, int group, int KV, int tokens, int n0, int layer
     if (D < 16 || D % 16 || group < 1 || KV < 1 || tokens < 1 || tokens > MAX_K || n0 < 1 || layers < 1 ||
         reps < 1 || path < 0 || path >= PATH_COUNT || !path_supported(path))
         return 1;
-    const int n = n0 + tokens - 1, rows = std::max(group, ATT_ROWS / group * group);
+    const int n = n0 + tokens - 1, rows = att_task_rows(group);
     const size_t head = (size_t)k_cache_positions(n) * D, heads = (size_t)layers * KV;
-    const bool bf16 = attention_mode(path, ATT_DEFAULT, D) == ATT_BF16;
     Buffer KB((int64_t)(2 * head * heads)), VB((int64_t)(2 * head * heads));     // on 2 MB pages, as the engine's
     uint16_t *K = (uint16_t*)KB.data(), *V = (uint16_t*)VB.data();
     Rng rng(1);
-    const auto uniform = [&rng] { return (float)(2 * rng.uniform() - 1); };
-    for (size_t i = 0; i < head * heads; i++) {
-        K[i] = bf16 ? bf16_bits(uniform()) : fp32_to_fp16(uniform());
-        V[i] = bf16 ? bf16_bits(uniform()) : fp32_to_fp16(uniform());
-    }
+    for (uint16_t* c : {K, V}) random_cache(c, head * heads, path, D, rng);
     const size_t stride = (size_t)KV * group * D, per_thread = att_scratch_floats(rows, n, D);
     std::vector<float> q((size_t)tokens * stride), out((size_t)tokens * stride);
     std::vector<float> scratch((size_t)(pool ? pool->size() : 1) * per_thread + 16);
-    for (auto& x : q) x = uniform();
+    for (auto& x : q) x = uniform(rng);
     const AttendFn attend = attend_for(path, D, ATT_DEFAULT);
     const float scale = 1.0f / std::sqrt((float)D);
     const int per = attention_per(tokens, group, KV, pool ? pool->size() : 1, rows);

@@ -471,7 +471,7 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
     base, stages = defaults(), candidates()
     # what this path and pool can move
     prefetching, split, registers = b.path_name != "scalar", b.pool.threads > 1, b.path_name == "avx512vnni"
-    split_stages = ("guided_from_bytes", "guided_min_bytes", "att_split_k")      # only a pool's split moves them
+    split_stages = (*SPLIT_TIMERS, "att_split_k")      # only a pool's split moves them
     run = [s for s in stages if (split if s in split_stages else registers if s in MEM_ACC else prefetching)]
     measured, chosen, confirmed = {}, {}, {}
     read_before, trip_before = b.read_gbps(), round_trip_ns(b.pool)
