@@ -202,16 +202,25 @@ private:
 int64_t packed_scale_count(int rows, int cols);   // fp16 scales in the packed layout
 int64_t packed_byte_count(int fmt, int rows, int cols);
 int64_t packed_nbytes(int fmt, int rows, int cols);     // the whole region: what a pass reads
+// The first scale of W that is NaN or inf, as a row-major block index, or -1: the AVX-512
+// kernel's exact scaling holds for finite scales only (matmul.cpp), so a file with one is refused.
+int64_t first_nonfinite_scale(const PackedMat& W);
+
+// An activation block's scale is a power of two 2^e, ACT_EXP_MIN <= e <= ACT_EXP_MAX, so an fp16
+// weight scale (a normal float once converted, or 0) times it stays a normal float: the AVX-512
+// kernel multiplies the two by adding e to the weight scale's exponent (docs/science.md §2).
+constexpr int ACT_EXP_MIN = -100, ACT_EXP_MAX = 112;
 
 // k tokens of one matmul input, quantized once to 8-bit blocks, with each block's
-// offset corrections (-8 sum and -128 sum) ready to broadcast.
+// offset corrections (-8 sum and -128 sum) and its scale's exponent e << 23 ready to broadcast.
 class QActs {
 public:
     QActs();
     ~QActs();
     QActs(const QActs&) = delete;
     QActs& operator=(const QActs&) = delete;
-    // Returns Q_OK, or Q_NONFINITE with *bad the flat index of the first NaN/inf.
+    // Returns Q_OK, or Q_NONFINITE with *bad the flat index of the first NaN, inf or value past
+    // 127 * 2^ACT_EXP_MAX (about 6.6e35).
     int quantize(const float* x, int k, int cols, int path, int64_t* bad);
     // The same in parts, for threads that each quantize what they computed: shape() sets
     // the shape (Q_OK or Q_BAD_SHAPE), then blocks [b0, b1) of the flat k x nb blocks come
@@ -227,13 +236,14 @@ public:
     const float* d(int t) const { return d_ + (int64_t)t * nb_; }
     const int32_t* s(int t) const { return s_ + (int64_t)t * nb_; }
     const int32_t* corr(int t, int fmt) const { return (fmt == FMT_Q4 ? c4_ : c8_) + (int64_t)t * nb_; }
+    const int32_t* exp23(int t) const { return e23_ + (int64_t)t * nb_; }   // e << 23, 0 where d is 0
 private:
     void reserve(int64_t blocks);
     int k_ = 0, cols_ = 0, nb_ = 0;
     int64_t cap_ = 0;
     void* mem_ = nullptr;
     int8_t* q_ = nullptr; float* d_ = nullptr; int32_t* s_ = nullptr;
-    int32_t* c4_ = nullptr; int32_t* c8_ = nullptr;
+    int32_t* c4_ = nullptr; int32_t* c8_ = nullptr; int32_t* e23_ = nullptr;
 };
 
 constexpr int MAX_K = 16;

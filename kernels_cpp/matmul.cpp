@@ -235,6 +235,12 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
         // the weights stream from memory once: ask for them well before they are needed
         if (PREFETCH_AHEAD) ahead.block<CH>(qb, b);
         const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(dt + at.d)));
+        // d_w * 2^e, exactly: d_w's bits plus e << 23 where d_w is not 0 (fp16 makes it a
+        // normal float, e's range keeps the sum one, and files with a NaN or inf scale are
+        // refused), 0 where it is. An integer add runs beside vpdpbusd, where a multiply took
+        // one of its issue slots; vfpclassps, to pass inf through too, cost 3-4% (docs/tuning.md).
+        const __m512i dwi = _mm512_castps_si512(dw);
+        const __mmask16 nonzero = _mm512_test_epi32_mask(dwi, _mm512_set1_epi32(0x7fffffff));
         __m512i w[8];                                   // w[j] meets activation bytes 4j..4j+3
         for (int g = 0; g < CH; g++) {
             __m512i x = _mm512_load_si512(qb + g * CHUNK);
@@ -256,7 +262,8 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
                 s0 = dpbusd_bcst(s0, w[j], a + 4 * j);
                 s1 = dpbusd_bcst(s1, w[j + 1], a + 4 * j + 4);
             }
-            const __m512 d = _mm512_mul_ps(dw, _mm512_set1_ps(A.d(tok0 + t)[b]));
+            const __m512 d = _mm512_castsi512_ps(
+                _mm512_maskz_add_epi32(nonzero, dwi, _mm512_set1_epi32(A.exp23(tok0 + t)[b])));
             vacc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), d, vacc[t]);
             if (MEM) asm volatile("" : "+m"(vacc[t]));
         }

@@ -412,6 +412,10 @@ bool Model::Impl::bind(const char* name, Mat& m, int rows, int cols) {
     m.fmt = (int)e->fmt; m.rows = rows; m.cols = cols;
     if (e->fmt == FMT_F32) m.f32 = (const float*)file.data(e);
     else m.pm = file.matrix(e);
+    const int64_t bad = e->fmt == FMT_F32 ? -1 : first_nonfinite_scale(m.pm);
+    if (bad >= 0)
+        return fail(std::string("tensor ") + name + " has a NaN or inf scale (block " + std::to_string(bad) +
+                    "): the file is corrupt; export it again");
     return true;
 }
 

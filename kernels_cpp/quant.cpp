@@ -115,13 +115,37 @@ void dequantize_q4(const uint16_t* d, const uint8_t* q, int64_t n, float* out) {
 // Activations: one block at a time, three paths with identical results
 // ============================================================================
 
-// Each returns the index of the first non-finite value in the block, or -1.
-static int quantize_act_scalar(const float* x, int8_t* q, float* d, int32_t* s) {
-    const int nf = find_nonfinite(x);
+// The largest magnitude an activation may have: 127 at the largest scale (lab.h).
+constexpr float ACT_MAX = 127.f * 0x1p112f;
+static_assert(ACT_EXP_MAX == 112, "ACT_MAX is 127 * 2^ACT_EXP_MAX");
+
+// First index in a block that is NaN, inf or past ACT_MAX, or -1.
+static int find_unquantizable(const float* x) {
+    for (int i = 0; i < QK; i++)
+        if (!(std::fabs(x[i]) <= ACT_MAX)) return i;
+    return -1;
+}
+
+// A block's scale from its largest magnitude: 0 for an all-zero block, else the smallest power
+// of two 2^e with amax <= 127 * 2^e, e at least ACT_EXP_MIN; *e23 gets e << 23 (0 for 0).
+static float act_scale(float amax, int32_t* e23) {
+    *e23 = 0;
+    if (amax == 0.f) return 0.f;
+    int ex;
+    std::frexp(amax, &ex);                                // amax = m * 2^ex, 0.5 <= m < 1
+    int e = std::ldexp(amax, 7 - ex) <= 127.f ? ex - 7 : ex - 6;
+    e = e < ACT_EXP_MIN ? ACT_EXP_MIN : e;
+    *e23 = e * (1 << 23);
+    return std::ldexp(1.f, e);
+}
+
+// Each returns the index of the first value it cannot quantize (find_unquantizable), or -1.
+static int quantize_act_scalar(const float* x, int8_t* q, float* d, int32_t* s, int32_t* e23) {
+    const int nf = find_unquantizable(x);
     if (nf >= 0) return nf;
     float amax = 0.f;
     for (int i = 0; i < QK; i++) amax = std::fmax(amax, std::fabs(x[i]));
-    const float sc = amax / 127.f;
+    const float sc = act_scale(amax, e23);
     int32_t sum = 0;
     for (int i = 0; i < QK; i++) {
         q[i] = sc == 0.f ? 0 : round_q8(x[i] / sc);
@@ -145,33 +169,33 @@ static inline __m256 round_away256(__m256 v) {
     return _mm256_add_ps(t, _mm256_and_ps(big, step));
 }
 
-static int quantize_act_avx2(const float* x, int8_t* q, float* d, int32_t* s) {
+static int quantize_act_avx2(const float* x, int8_t* q, float* d, int32_t* s, int32_t* e23) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 inf = _mm256_set1_ps(INFINITY);
+    const __m256 lim = _mm256_set1_ps(ACT_MAX);
     __m256 v[4], mx = _mm256_setzero_ps();
     int finite = 0xff;
     for (int j = 0; j < 4; j++) {
         v[j] = _mm256_loadu_ps(x + 8 * j);
         const __m256 a = _mm256_and_ps(v[j], absmask);
-        finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, inf, _CMP_LT_OQ));
+        finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, lim, _CMP_LE_OQ));
         mx = _mm256_max_ps(mx, a);
     }
-    if (finite != 0xff) return find_nonfinite(x);
+    if (finite != 0xff) return find_unquantizable(x);
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float sc = _mm_cvtss_f32(m4) / 127.f;
+    const float sc = act_scale(_mm_cvtss_f32(m4), e23);
     *d = sc;
     if (sc == 0.f) {
         std::memset(q, 0, QK);
         *s = 0;
         return -1;
     }
-    const __m256 vs = _mm256_set1_ps(sc), lim = _mm256_set1_ps(127.f);
+    const __m256 vs = _mm256_set1_ps(sc), top = _mm256_set1_ps(127.f);
     __m256i qi[4];
     for (int j = 0; j < 4; j++) {
         __m256 r = round_away256(_mm256_div_ps(v[j], vs));
-        r = _mm256_max_ps(_mm256_min_ps(r, lim), _mm256_sub_ps(_mm256_setzero_ps(), lim));
+        r = _mm256_max_ps(_mm256_min_ps(r, top), _mm256_sub_ps(_mm256_setzero_ps(), top));
         qi[j] = _mm256_cvtps_epi32(r);
     }
     const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
@@ -190,13 +214,13 @@ static int quantize_act_avx2(const float* x, int8_t* q, float* d, int32_t* s) {
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512dq")
-static int quantize_act_avx512(const float* x, int8_t* q, float* d, int32_t* s) {
+static int quantize_act_avx512(const float* x, int8_t* q, float* d, int32_t* s, int32_t* e23) {
     const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
     const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
-    const __m512 inf = _mm512_set1_ps(INFINITY);
-    const __mmask16 ok = _mm512_cmp_ps_mask(a0, inf, _CMP_LT_OQ) & _mm512_cmp_ps_mask(a1, inf, _CMP_LT_OQ);
-    if (ok != 0xffff) return find_nonfinite(x);
-    const float sc = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1)) / 127.f;
+    const __m512 top = _mm512_set1_ps(ACT_MAX);
+    const __mmask16 ok = _mm512_cmp_ps_mask(a0, top, _CMP_LE_OQ) & _mm512_cmp_ps_mask(a1, top, _CMP_LE_OQ);
+    if (ok != 0xffff) return find_unquantizable(x);
+    const float sc = act_scale(_mm512_reduce_max_ps(_mm512_max_ps(a0, a1)), e23);
     *d = sc;
     if (sc == 0.f) {
         std::memset(q, 0, QK);
@@ -229,11 +253,11 @@ static int quantize_act_avx512(const float* x, int8_t* q, float* d, int32_t* s) 
 QActs::QActs() = default;
 QActs::~QActs() { std::free(mem_); }
 
-// One allocation, 64-byte aligned regions: q (32 bytes a block), then d, s, c4, c8.
+// One allocation, 64-byte aligned regions: q (32 bytes a block), then d, s, c4, c8, e23.
 void QActs::reserve(int64_t blocks) {
     if (blocks <= cap_) return;
     std::free(mem_);
-    const size_t bytes = (size_t)blocks * (QK + 4 * 4) + 5 * 64;
+    const size_t bytes = (size_t)blocks * (QK + 5 * 4) + 6 * 64;
     mem_ = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
     cap_ = blocks;
 }
@@ -255,6 +279,7 @@ int QActs::shape(int k, int cols) {
     s_ = (int32_t*)carve(p, n * 4);
     c4_ = (int32_t*)carve(p, n * 4);
     c8_ = (int32_t*)carve(p, n * 4);
+    e23_ = (int32_t*)carve(p, n * 4);
     return Q_OK;
 }
 
@@ -267,9 +292,9 @@ int QActs::quantize_blocks(const float* x, int64_t b0, int64_t b1, int path, int
     // stores into lines another core has just read were slow, and whole-line writes avoid
     // that (docs/tuning.md).
     std::memset(q_ + b0 * QK, 0, (size_t)(b1 - b0) * QK);
-    for (int32_t* a : {(int32_t*)d_, s_, c4_, c8_}) std::memset(a + b0, 0, (size_t)(b1 - b0) * 4);
+    for (int32_t* a : {(int32_t*)d_, s_, c4_, c8_, e23_}) std::memset(a + b0, 0, (size_t)(b1 - b0) * 4);
     for (int64_t b = b0; b < b1; b++) {
-        const int nf = block(x + b * QK, q_ + b * QK, d_ + b, s_ + b);
+        const int nf = block(x + b * QK, q_ + b * QK, d_ + b, s_ + b, e23_ + b);
         if (nf >= 0) { *bad = b * QK + nf; return Q_NONFINITE; }
         c4_[b] = -8 * s_[b];
         c8_[b] = -128 * s_[b];

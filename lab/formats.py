@@ -3,7 +3,8 @@
 8-bit weights: blocks of 32, d = max|w|/127 stored as fp16, q = round(w/d) half away
 from zero. 4-bit weights: d = (value of largest magnitude, sign kept)/-8 as fp16,
 q = clamp(floor(w/d + 8.5), 0, 15), low nibbles hold weights 0-15, high nibbles 16-31.
-8-bit activations: like 8-bit weights but with an fp32 scale, plus each block's sum.
+8-bit activations: like 8-bit weights, plus each block's sum, but the scale is a power of two
+2^e, the smallest with max|x| <= 127 * 2^e (e at least ACT_EXP_MIN), kept in fp32.
 A quantized tensor is stored split: its fp16 scales region, then its bytes region.
 The rules and the tile layout are explained in docs/science.md §2.
 """
@@ -14,6 +15,9 @@ from dataclasses import dataclass
 import numpy as np
 
 QK = 32
+# Activation scales' exponents (kernels_cpp/lab.h; tests/test_formats.py holds the two equal).
+ACT_EXP_MIN, ACT_EXP_MAX = -100, 112
+ACT_MAX = np.float32(127 * 2.0 ** ACT_EXP_MAX)
 FORMATS = ("f32", "q8", "q4")
 BYTES_PER_BLOCK = {"q8": 32, "q4": 16}
 ALIGN = 64
@@ -96,12 +100,26 @@ def quantize_q4(x, name: str = "x") -> tuple[np.ndarray, np.ndarray]:
     return d, (q[:, :16] | (q[:, 16:] << 4)).astype(np.uint8)
 
 
+def act_scales(amax: np.ndarray) -> np.ndarray:
+    """The power-of-two scale of each activation block from its largest magnitude (0 for 0)."""
+    amax = amax.astype(np.float32)
+    _, ex = np.frexp(amax)                               # amax = m * 2^ex, 0.5 <= m < 1
+    e = np.where(np.ldexp(amax, 7 - ex) <= 127, ex - 7, ex - 6)
+    s = np.ldexp(np.float32(1), np.maximum(e, ACT_EXP_MIN)).astype(np.float32)
+    return np.where(amax == 0, np.float32(0), s)
+
+
 def quantize_acts(x, name: str = "x") -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """8-bit activation blocks of x [k, cols] -> (int8 [k, nb, 32], fp32 [k, nb], int32 sums [k, nb])."""
     x = np.asarray(x)
     k = x.shape[0] if x.ndim == 2 else 1
     xb = _blocks(x, name)
-    s = np.abs(xb).max(axis=1) / np.float32(127)
+    big = np.abs(xb) > ACT_MAX
+    if big.any():
+        i = int(np.flatnonzero(big)[0])
+        raise QuantizationError(f"{name} has {xb.flat[i]} at flat index {i}, past the activations' "
+                                f"largest scale (127 * 2^{ACT_EXP_MAX}); check what produced it")
+    s = act_scales(np.abs(xb).max(axis=1))
     with np.errstate(divide="ignore", invalid="ignore"):
         q = round_away(xb / s[:, None])
     q = np.where(s[:, None] == 0, 0, np.clip(q, -127, 127)).astype(np.int8)

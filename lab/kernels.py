@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import native
-from .formats import ALIGN, BYTES_PER_BLOCK, QK, QTensor, QuantizationError, aligned_copy, aligned_empty
+from .formats import ACT_EXP_MAX, ALIGN, BYTES_PER_BLOCK, QK, QTensor, QuantizationError, aligned_copy, aligned_empty
 
 _QUANTIZED = ("q8", "q4")            # the formats the kernels take
 _MM_ERRORS = {1: "unknown weight format", 2: "shapes do not match", 3: "k out of range",
@@ -93,8 +93,8 @@ class Acts:
         rc = self._acts.quantize(x, k, cols, self.path, bad)
         if rc == 1:
             i = int(bad[0])
-            raise QuantizationError(f"x has a non-finite value ({x.flat[i]}) at token {i // cols}, "
-                                    f"column {i % cols}: NaN and inf cannot be quantized")
+            raise QuantizationError(f"x has {x.flat[i]} at token {i // cols}, column {i % cols}: NaN, inf "
+                                    f"and values past 127 * 2^{ACT_EXP_MAX} cannot be quantized")
         if rc != 0:
             raise ValueError(f"x has shape {x.shape}: cannot quantize (code {rc})")
         self.k, self.cols = k, cols
@@ -126,6 +126,9 @@ def check_qtensor(W: QTensor, name: str = "W") -> None:
     check_array(W.q, f"{name}.q", np.uint8, align=ALIGN)
     if W.d.size != rows * nb:
         raise ValueError(f"{name}.d holds {W.d.size} scales; shape {W.shape} needs {rows * nb}")
+    bad = np.flatnonzero((W.d & 0x7C00) == 0x7C00)
+    if bad.size:
+        raise ValueError(f"{name}.d[{bad[0]}] is a NaN or inf fp16 scale: the kernels take finite scales only")
     if W.q.size != rows * nb * BYTES_PER_BLOCK[W.fmt]:
         raise ValueError(f"{name}.q holds {W.q.size} bytes; shape {W.shape} in {W.fmt} needs "
                          f"{rows * nb * BYTES_PER_BLOCK[W.fmt]}")

@@ -116,6 +116,19 @@ def test_a_flipped_data_byte_is_caught_on_load(good, tmp_path):
     Engine(tmp_path / "f.lab", threads=1, max_context=64, verify=False)   # the impatient's way
 
 
+def test_a_nan_or_inf_weight_scale_is_refused_on_load(good, tmp_path):
+    """The AVX-512 kernel scales by adding exponents, exact for finite scales only."""
+    raw = bytearray(good.read_bytes())
+    hd = dict(zip(ex.HEADER_KEYS, ex.HEADER.unpack_from(raw)))
+    entries = (ex.ENTRY.unpack_from(raw, hd["dir_offset"] + i * ex.ENTRY.size) for i in range(hd["n_tensors"]))
+    name, _, _, _, cols, off, _, _ = next(e for e in entries if e[0].rstrip(b"\0") == b"layers.0.gate_up")
+    raw[off + 2 * 5:off + 2 * 6] = (0x7c00).to_bytes(2, "little")    # the first block's scale of row 5
+    (tmp_path / "s.lab").write_bytes(bytes(raw))
+    nb = cols // 32
+    with pytest.raises(EngineError, match=rf"gate_up has a NaN or inf scale \(block {5 * nb}\): .*export it again"):
+        Engine(tmp_path / "s.lab", threads=1, max_context=64, verify=False)
+
+
 def test_verification_is_remembered_per_version_of_the_file(good, tmp_path, monkeypatch):
     p = tmp_path / "r.lab"
     p.write_bytes(good.read_bytes())

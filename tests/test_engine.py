@@ -194,7 +194,7 @@ def test_bf16_values_ignore_what_the_cache_holds_past_them(pool, tmp_path):
     toks = [1, 2, 3, 4, 5]
     want = e.forward(toks, 0)
     assert np.isfinite(want).all()
-    with pytest.raises(EngineError, match="NaN or inf"):
+    with pytest.raises(EngineError, match="NaN, inf or value past"):
         e.forward([hot], len(toks))                           # leaves its infinite V at position 5
     assert e.forward(toks, 0).tobytes() == want.tobytes()
 
@@ -563,7 +563,7 @@ def test_overflowing_activations_are_an_error(pool, tmp_path, where, scheme):
     w = tiny_weights(c, seed=1)
     w[where] = w[where] * 3e38                             # overflows to inf in the next product
     e = Engine(ex.export(c, w, tmp_path / "hot.lab", scheme), pool=pool, max_context=64)
-    with pytest.raises(EngineError, match="NaN or inf"):
+    with pytest.raises(EngineError, match="NaN, inf or value past"):
         e.forward([1, 2, 3], 0)
 
 

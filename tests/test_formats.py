@@ -127,6 +127,31 @@ def test_activation_blocks_identical_on_every_path(rng):
             assert g.tobytes() == w.tobytes(), path
 
 
+def test_activation_scales_are_the_least_powers_of_two(rng, ns):
+    """Each block's scale is the smallest 2^e with max|x| <= 127 * 2^e, e clamped below, on
+    every path; the exponent limits are the engine's own."""
+    assert (formats.ACT_EXP_MIN, formats.ACT_EXP_MAX) == (int(ns.ACT_EXP_MIN), int(ns.ACT_EXP_MAX))
+    amax = np.array([127, 128, 127.5, 63.5, 63.49, 1.0, 1e-40, 1e-30, 127 * 2.0**112], np.float32)
+    x = (rng.uniform(-1, 1, (amax.size, 32)) * amax[:, None] * 0.99).astype(np.float32)
+    x[:, 9] = amax
+    q, d, _ = formats.quantize_acts(x)
+    assert d[:, 0].tolist() == [1, 2, 2, 0.5, 0.5, 2.0**-6, 2.0**-100, 2.0**-100, 2.0**112]
+    assert np.abs(q).max() <= 127
+    for path in native.supported_paths():
+        for g, w in zip(kernels.Acts(x, path).blocks(), (q, d)):
+            assert g.tobytes() == w.tobytes(), path
+
+
+@pytest.mark.parametrize("path", native.supported_paths())
+def test_activation_past_the_largest_scale_rejected(path):
+    x = np.ones((2, 64), np.float32)
+    x[1, 40] = np.nextafter(np.float32(127 * 2.0**112), np.float32(np.inf))
+    with pytest.raises(QuantizationError, match="token 1, column 40"):
+        kernels.Acts(x, path)
+    with pytest.raises(QuantizationError, match="flat index 104"):
+        formats.quantize_acts(x)
+
+
 def test_activation_nonfinite_rejected():
     x = np.ones((2, 64), np.float32)
     x[1, 40] = np.nan

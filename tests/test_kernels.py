@@ -92,6 +92,33 @@ def test_extreme_activations_stay_exact(fmt, rng):
         assert np.array_equal(bits(kernels.matmul(W, x, path=path)), bits(want)), path
 
 
+@pytest.mark.parametrize("e", [formats.ACT_EXP_MIN, -1, 0, formats.ACT_EXP_MAX - 30])
+def test_zero_and_extreme_weight_scales_at_every_activation_exponent(fmt, e, rng):
+    """The AVX-512 kernel scales by adding the activations' exponent to the weights' scales, so
+    zero, the largest and the smallest fp16 scales must still give the product bit for bit."""
+    W = formats.quantize((rng.standard_normal((40, 256)) * 0.1).astype(np.float32), fmt)
+    d = W.d.reshape(40, -1)
+    d[0] = 0                                                  # zero scales beside live nibbles
+    d[1] = 0x8000                                             # -0
+    d[2, ::2], d[2, 1::2] = 0x7bff, 0xfbff                    # fp16's largest, both signs
+    d[3, ::2], d[3, 1::2] = 0x0001, 0x8001                    # its smallest subnormals
+    x = (rng.uniform(-1, 1, (3, 256)) * 127 * 2.0**e).astype(np.float32)
+    x[:, ::32] = 127 * 2.0**e                                 # every block's scale is 2^e
+    assert (formats.quantize_acts(x)[1] == np.float32(2.0**e)).all()
+    want = kernels.matmul(W, x, path="scalar")
+    assert np.isfinite(want).all() and (want[:, :2] == 0).all()
+    for path in simd_paths():
+        assert np.array_equal(bits(kernels.matmul(W, x, path=path)), bits(want)), path
+
+
+@pytest.mark.parametrize("h", [0x7c00, 0xfc00, 0x7e00])
+def test_a_nan_or_inf_weight_scale_is_refused(h, rng):
+    W = formats.quantize(rng.standard_normal((20, 64)).astype(np.float32), "q4")
+    W.d.reshape(-1)[37] = h
+    with pytest.raises(ValueError, match=r"W.d\[37\] is a NaN or inf"):
+        kernels.matmul(W, np.ones((1, 64), np.float32))
+
+
 # ----------------------------------------------------------------------------
 # Bad input
 # ----------------------------------------------------------------------------

@@ -32,11 +32,19 @@ def round_away_t(v: torch.Tensor) -> torch.Tensor:
     return t + torch.where((v - t).abs() >= 0.5, torch.sign(v), torch.zeros_like(v))
 
 
+def act_scales_t(amax: torch.Tensor) -> torch.Tensor:
+    """lab.formats.act_scales in torch: each block's power-of-two scale (0 for 0)."""
+    _, ex = torch.frexp(amax)
+    e = torch.where(torch.ldexp(amax, (7 - ex).float()) <= 127, ex - 7, ex - 6).clamp(min=formats.ACT_EXP_MIN)
+    s = torch.ldexp(torch.ones_like(amax), e.float())
+    return torch.where(amax == 0, torch.zeros_like(amax), s)
+
+
 def quantize_acts_t(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """8-bit activation blocks along the last axis -> (q [..., nb, 32] int8, d [..., nb] fp32);
     the same bytes as lab.formats.quantize_acts and the C++ quantizer."""
     xb = x.float().reshape(*x.shape[:-1], -1, formats.QK)
-    d = xb.abs().amax(-1) / 127.0
+    d = act_scales_t(xb.abs().amax(-1))
     safe = torch.where(d == 0, torch.ones_like(d), d)
     q = torch.clamp(round_away_t(xb / safe[..., None]), -127, 127)
     q = torch.where(d[..., None] == 0, torch.zeros_like(q), q)
