@@ -22,22 +22,19 @@ int64_t packed_nbytes(int fmt, int rows, int cols) {
     return tile_count(rows) * packed_tile_bytes(fmt, cols / QK);
 }
 
-// Big matrices go on 2 MB pages where the kernel allows: a decode step walks every byte
-// once, and 4 KB pages would cost a TLB miss every 4 KB of it.
 int64_t first_nonfinite_scale(const PackedMat& W) {
     const int nb = W.cols / QK;
     for (int t = 0; t < W.tiles; t++)
         for (int b = 0; b < nb; b++) {
             const uint16_t* d = W.d + tile_offsets(W.fmt, nb, t, b).d;
-            bool bad = false;
-            for (int i = 0; i < TILE; i++) bad |= (d[i] & 0x7c00) == 0x7c00;
-            if (bad)
-                for (int i = 0; i < TILE; i++)
-                    if ((d[i] & 0x7c00) == 0x7c00) return ((int64_t)t * TILE + i) * nb + b;
+            for (int i = 0; i < TILE; i++)
+                if ((d[i] & 0x7c00) == 0x7c00) return ((int64_t)t * TILE + i) * nb + b;
         }
     return -1;
 }
 
+// Big matrices go on 2 MB pages where the kernel allows: a decode step walks every byte
+// once, and 4 KB pages would cost a TLB miss every 4 KB of it.
 void* alloc_huge(size_t bytes) {
     constexpr size_t HUGE_PAGE = 2u << 20;
     if (bytes < HUGE_PAGE) return std::aligned_alloc(64, (size_t)line_up((int64_t)bytes));

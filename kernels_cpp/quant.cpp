@@ -171,13 +171,13 @@ static inline __m256 round_away256(__m256 v) {
 
 static int quantize_act_avx2(const float* x, int8_t* q, float* d, int32_t* s, int32_t* e23) {
     const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    const __m256 lim = _mm256_set1_ps(ACT_MAX);
+    const __m256 act_max = _mm256_set1_ps(ACT_MAX);
     __m256 v[4], mx = _mm256_setzero_ps();
     int finite = 0xff;
     for (int j = 0; j < 4; j++) {
         v[j] = _mm256_loadu_ps(x + 8 * j);
         const __m256 a = _mm256_and_ps(v[j], absmask);
-        finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, lim, _CMP_LE_OQ));
+        finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, act_max, _CMP_LE_OQ));
         mx = _mm256_max_ps(mx, a);
     }
     if (finite != 0xff) return find_unquantizable(x);
@@ -191,11 +191,11 @@ static int quantize_act_avx2(const float* x, int8_t* q, float* d, int32_t* s, in
         *s = 0;
         return -1;
     }
-    const __m256 vs = _mm256_set1_ps(sc), top = _mm256_set1_ps(127.f);
+    const __m256 vs = _mm256_set1_ps(sc), lim = _mm256_set1_ps(127.f);
     __m256i qi[4];
     for (int j = 0; j < 4; j++) {
         __m256 r = round_away256(_mm256_div_ps(v[j], vs));
-        r = _mm256_max_ps(_mm256_min_ps(r, top), _mm256_sub_ps(_mm256_setzero_ps(), top));
+        r = _mm256_max_ps(_mm256_min_ps(r, lim), _mm256_sub_ps(_mm256_setzero_ps(), lim));
         qi[j] = _mm256_cvtps_epi32(r);
     }
     const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]), _mm256_add_epi32(qi[2], qi[3]));
@@ -217,8 +217,8 @@ static int quantize_act_avx2(const float* x, int8_t* q, float* d, int32_t* s, in
 static int quantize_act_avx512(const float* x, int8_t* q, float* d, int32_t* s, int32_t* e23) {
     const __m512 v0 = _mm512_loadu_ps(x), v1 = _mm512_loadu_ps(x + 16);
     const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
-    const __m512 top = _mm512_set1_ps(ACT_MAX);
-    const __mmask16 ok = _mm512_cmp_ps_mask(a0, top, _CMP_LE_OQ) & _mm512_cmp_ps_mask(a1, top, _CMP_LE_OQ);
+    const __m512 act_max = _mm512_set1_ps(ACT_MAX);
+    const __mmask16 ok = _mm512_cmp_ps_mask(a0, act_max, _CMP_LE_OQ) & _mm512_cmp_ps_mask(a1, act_max, _CMP_LE_OQ);
     if (ok != 0xffff) return find_unquantizable(x);
     const float sc = act_scale(_mm512_reduce_max_ps(_mm512_max_ps(a0, a1)), e23);
     *d = sc;

@@ -14,13 +14,13 @@ import numpy as np
 
 from . import native
 from .errors import LabError
-from .formats import ACT_EXP_MAX
+from .formats import ACT_MAX
 from .kernels import Pool, _pool_ptr, check_array, split_code
 
 _STATUS = {1: "the context is longer than the cache", 2: "a token id is outside the vocabulary",
            3: "the prompt is empty", 4: "gamma is out of range (1..MAX_K)", 5: "the draft's vocabulary differs from the target's",
            6: "the model is not loaded", 7: "a tensor is missing", 8: "the kernel path is not supported",
-           9: f"a NaN, inf or value past {127 * 2.0 ** ACT_EXP_MAX:.2g} appeared in the activations",
+           9: f"a NaN, inf or value past {ACT_MAX:.2g} appeared in the activations",
            10: "the automatic policy needs costs and a calibration (lab.policy)"}
 KINDS = ("plain", "draft", "lookup")       # the C++ RoundKind, in order
 
