@@ -98,10 +98,11 @@ constexpr int ATT_WINDOW_BLOCK = 32;
 struct Tuning {
     // The SIMD kernels ask for their weight stream this far ahead, in bytes of a 4-bit stream
     // (an 8-bit one goes as many blocks ahead): one token into L1, per format, 0 for no request
-    // (on a Zen 4 the hardware prefetcher alone kept one stream fastest); k >= 2 into L1 and L2.
+    // (on a Zen 4 the hardware prefetcher alone kept one stream fastest); k >= 2 into L1 and L2,
+    // per format: on a Zen 4 the 8-bit stream, twice the bytes a multiply-add, ran fastest nearer.
     int prefetch_k1 = 0, prefetch_k1_q8 = 0;
-    int prefetch_l1_k = 4096;
-    int prefetch_l2_k = 16384;
+    int prefetch_l1_k = 4096, prefetch_l2_k = 16384;
+    int prefetch_l1_k_q8 = 1024, prefetch_l2_k_q8 = 16384;
     // Whether 2, 3 or 4 tokens of a format take the single-token scheme (one token always does;
     // past four the arithmetic binds as much as the stream, and the k >= 2 scheme stays).
     bool q4_single_k2 = false, q4_single_k3 = false, q4_single_k4 = false;

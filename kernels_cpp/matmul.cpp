@@ -63,9 +63,10 @@ struct StreamAhead {
 
     StreamAhead(int fmt, bool single, const Tuning& tn) {
         const int ch = block_chunks(fmt);
-        const int k1 = fmt == FMT_Q8 ? tn.prefetch_k1_q8 : tn.prefetch_k1;
-        l1 = (int64_t)(single ? k1 : tn.prefetch_l1_k) * ch / 4;
-        l2 = single ? 0 : (int64_t)tn.prefetch_l2_k * ch / 4;
+        const bool q8 = fmt == FMT_Q8;
+        const int k1 = q8 ? tn.prefetch_k1_q8 : tn.prefetch_k1;
+        l1 = (int64_t)(single ? k1 : q8 ? tn.prefetch_l1_k_q8 : tn.prefetch_l1_k) * ch / 4;
+        l2 = single ? 0 : (int64_t)(q8 ? tn.prefetch_l2_k_q8 : tn.prefetch_l2_k) * ch / 4;
     }
 
     // Block b's requests: its CH chunks' lines `l1` (and `l2`) ahead, and, for the first block

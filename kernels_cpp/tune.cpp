@@ -28,10 +28,10 @@ Tuning tuning() { return in_force(); }
 
 int set_tuning(const Tuning& t) {
     constexpr int FAR = 1 << 20;       // past any stream a prefetch could still serve
-    const bool ok = t.prefetch_k1 >= 0 && t.prefetch_k1 <= FAR && t.prefetch_k1_q8 >= 0 &&
-                    t.prefetch_k1_q8 <= FAR && t.prefetch_l1_k >= 0 &&
-                    t.prefetch_l1_k <= FAR && t.prefetch_l2_k >= 0 && t.prefetch_l2_k <= FAR &&
-                    t.guided_min_bytes > 0 && t.guided_from_bytes >= 0 && t.att_split_k >= 0;
+    bool ok = t.guided_min_bytes > 0 && t.guided_from_bytes >= 0 && t.att_split_k >= 0;
+    for (int d : {t.prefetch_k1, t.prefetch_k1_q8, t.prefetch_l1_k, t.prefetch_l2_k, t.prefetch_l1_k_q8,
+                  t.prefetch_l2_k_q8})
+        ok = ok && d >= 0 && d <= FAR;
     if (!ok) return 1;
     in_force() = t;
     return 0;

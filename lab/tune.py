@@ -41,13 +41,18 @@ SINGLE_K = (2, 3, 4)     # the token counts whose prefetch scheme is chosen, per
 SINGLE = {f"{fmt}_single_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in SINGLE_K}   # field -> what it moves
 MEM_ACC = {f"{fmt}_mem_acc_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in (2, 4)}      # the AVX-512 path's only
 FLAGS = (*SINGLE, *MEM_ACC)      # the yes/no fields
-FIELDS = ("prefetch_k1", "prefetch_k1_q8", "prefetch_l1_k", "prefetch_l2_k", *FLAGS, "guided_min_bytes", "guided_from_bytes",
-          "att_split_k")
+# k >= 2: each format's (into L1, into L2) distance fields, and its stage
+MULTI = {"q4": ("prefetch_l1_k", "prefetch_l2_k"), "q8": ("prefetch_l1_k_q8", "prefetch_l2_k_q8")}
+MULTI_STAGE = {"q4": "prefetch_k", "q8": "prefetch_k_q8"}
+FIELDS = ("prefetch_k1", "prefetch_k1_q8", *MULTI["q4"], *MULTI["q8"], *FLAGS, "guided_min_bytes",
+          "guided_from_bytes", "att_split_k")
 MB = 1 << 20
 # What the tuner tries besides the default (which it always tries).
 PREFETCH_K1 = (0, 2048, 4096, 8192, 16384)   # per format; 0: the hardware prefetcher alone
 # k >= 2: (into L1, into L2); 0 into L1 leaves the near lines to the hardware prefetcher
-PREFETCH_K = ((0, 8192), (0, 16384), (2048, 8192), (2048, 16384), (4096, 16384), (4096, 32768), (8192, 32768))
+PREFETCH_K = ((0, 8192), (0, 16384), (1024, 8192), (1024, 16384), (2048, 8192), (2048, 16384), (4096, 16384),
+              (4096, 32768), (8192, 32768))
+MULTI_K = (4, 8)        # the token counts a multi-token distance is judged on: its stream binds at 4, arithmetic at 8
 GUIDED_FROM = (1 * MB, 2 * MB, 4 * MB, 8 * MB, 16 * MB)
 SPLIT_SIZES = (1 * MB, 2 * MB, 4 * MB, 8 * MB)   # the matrix sizes the split threshold is judged on
 GUIDED_MIN = (32 << 10, 64 << 10, 192 << 10, 384 << 10)
@@ -92,7 +97,7 @@ def moves(a: dict, b: dict, k: int) -> bool:
         flag = f"{fmt}_single_k{k}"
         single = k == 1 or (flag in a and (a[flag] or b[flag]))        # under either tuning
         multi = k > 1 and not (flag in a and a[flag] and b[flag])
-        if (single and k1 in diff) or (multi and diff & {"prefetch_l1_k", "prefetch_l2_k"}):
+        if (single and k1 in diff) or (multi and diff & set(MULTI[fmt])):
             return True
     return False
 
@@ -124,12 +129,12 @@ def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
     """Per stage, each candidate's label -> the fields it sets; every value the tuner can pick."""
     base = base or defaults()
     k1 = {f: sorted({*PREFETCH_K1, base[f]}) for f in ("prefetch_k1", "prefetch_k1_q8")}
-    pairs = sorted({*PREFETCH_K, (base["prefetch_l1_k"], base["prefetch_l2_k"])})
+    pairs = {fmt: sorted({*PREFETCH_K, (base[l1], base[l2])}) for fmt, (l1, l2) in MULTI.items()}
     froms = sorted({*GUIDED_FROM, base["guided_from_bytes"]})
     mins = sorted({*GUIDED_MIN, base["guided_min_bytes"]})
     return {
         **{f: {str(v): {f: v} for v in vs} for f, vs in k1.items()},
-        "prefetch_k": {f"{a}/{b}": {"prefetch_l1_k": a, "prefetch_l2_k": b} for a, b in pairs},
+        **{MULTI_STAGE[fmt]: {f"{a}/{b}": {l1: a, l2: b} for a, b in pairs[fmt]} for fmt, (l1, l2) in MULTI.items()},
         **{f: {str(v).lower(): {f: v} for v in (False, True)} for f in (*SINGLE, *MEM_ACC)},
         "guided_from_bytes": {str(v): {"guided_from_bytes": v} for v in froms},
         "guided_min_bytes": {str(v): {"guided_min_bytes": v} for v in mins},
@@ -278,7 +283,7 @@ class _Bench:
             row = int(ns.packed_nbytes(native.consts().formats[fmt], 16, COLS)) // 16
             rows = max(16, (mb * MB // row) // 16 * 16)
             self.W[fmt] = kernels.pack(kernels.random_qtensor(fmt, rows, COLS, seed=rows))
-        for k in sorted({1, 4, *SINGLE_K}):
+        for k in sorted({1, *MULTI_K, *SINGLE_K}):
             x = rng.standard_normal((k, COLS), dtype=np.float32)
             self.acts[k] = kernels.Acts(x, self.path_name)
 
@@ -312,8 +317,9 @@ class _Bench:
             self._read = (read_sampler(buf, self.pool), buf, owner)
         return float(np.median(self._read[0]()))
 
-    def both(self, k: int) -> list[float]:
-        return [a + b for a, b in zip(self.matmul("q4", k), self.matmul("q8", k))]
+    def multi(self, fmt: str) -> list[float]:
+        """Seconds per pass at each of MULTI_K tokens, summed per repeat."""
+        return [sum(t) for t in zip(*(self.matmul(fmt, k) for k in MULTI_K))]
 
     def slices(self, size: int, chunk: int) -> list[float]:
         """Seconds per walk over the 4-bit matrix in calls on consecutive slices of `size` bytes
@@ -368,7 +374,7 @@ def _label(cands: dict[str, dict], values: dict) -> str:
 def _stage_samplers(b: _Bench) -> dict[str, Callable[[], list[float]]]:
     """What each other stage times: the kernels whose speed its values move (the single-token
     distances: _stream_times)."""
-    return {"prefetch_k": lambda: b.both(4), "att_split_k": b.attention,
+    return {**{stage: (lambda fmt=fmt: b.multi(fmt)) for fmt, stage in MULTI_STAGE.items()}, "att_split_k": b.attention,
             **{f: (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for f, (fmt, k) in (SINGLE | MEM_ACC).items()}}
 
 

@@ -306,6 +306,7 @@ def test_moves_says_which_passes_a_change_can_touch():
         (("prefetch_k1_q8", 4096),): {1, 2},                     # 8-bit takes the single-token scheme at 2
         (("prefetch_k1", 4096),): {1},
         (("prefetch_l2_k", 32768),): {2, 3, 4, 8},               # 4-bit at 2 is multi-token
+        (("prefetch_l1_k_q8", 4096),): {3, 4, 8},                # 8-bit at 2 is single-token here
         (("q8_mem_acc_k2", False),): {2},
         (("q4_single_k3", True),): {3},
         (("guided_from_bytes", 1 << 20),): {1, 2, 3, 4, 8},
