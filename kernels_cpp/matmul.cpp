@@ -71,14 +71,19 @@ struct StreamAhead {
 
     // Block b's requests: its CH chunks' lines `l1` (and `l2`) ahead, and, for the first block
     // of a pair, the pair's line of scales before them: every line of the stream once.
-    // always inlined: a call would make the kernel spill its vector registers around it
+    // always inlined: a call would make the kernel spill its vector registers around it; one
+    // pointer a distance, its lines at constant offsets from it, so the addresses cost no arithmetic
     template <int CH>
     __attribute__((always_inline)) inline void block(const uint8_t* qb, int b) const {
-        const int g0 = b % 2 ? 0 : -1;
-        if (l1)
-            for (int g = g0; g < CH; g++) _mm_prefetch((const char*)(qb + l1 + g * CHUNK), _MM_HINT_T0);
-        if (l2)
-            for (int g = g0; g < CH; g++) _mm_prefetch((const char*)(qb + l2 + g * CHUNK), _MM_HINT_T2);
+        const bool pair_start = b % 2 == 0;
+        if (l1) lines<CH, _MM_HINT_T0>((const char*)qb + l1, pair_start);
+        if (l2) lines<CH, _MM_HINT_T2>((const char*)qb + l2, pair_start);
+    }
+
+    template <int CH, int HINT>
+    __attribute__((always_inline)) static inline void lines(const char* p, bool pair_start) {
+        if (pair_start) _mm_prefetch(p - CHUNK, (_mm_hint)HINT);
+        for (int g = 0; g < CH; g++) _mm_prefetch(p + g * CHUNK, (_mm_hint)HINT);
     }
 };
 
@@ -226,16 +231,17 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
     constexpr int CH = block_chunks(FMT);
     const __m512i nib = _mm512_set1_epi8(0x0f);
     const TileOffsets start = tile_offsets(FMT, nb, tile, 0);
-    const uint16_t* dt = W.d + start.d;
-    const uint8_t* qt = W.q + start.q;
     __m512 vacc[G];
     for (int t = 0; t < G; t++) vacc[t] = _mm512_setzero_ps();
-    for (int b = 0; b < nb; b++) {
-        const TileOffsets at = tile_offsets(FMT, nb, 0, b);     // from the tile's start
-        const uint8_t* qb = qt + at.q;
+    // each block's bytes and scales: one add to each pointer a block, where tile_offsets took a
+    // score of scalar instructions beside the vector work (docs/tuning.md)
+    const uint8_t* qb = W.q + start.q;
+    const uint16_t* db = W.d + start.d;
+    for (int b = 0; b < nb; b++, qb += b % 2 ? CH * CHUNK : CH * CHUNK + PAIR_SCALES,
+                                 db += b % 2 ? TILE : pair_bytes(FMT) / SCALE_BYTES - TILE) {
         // the weights stream from memory once: ask for them well before they are needed
         if (PREFETCH_AHEAD) ahead.block<CH>(qb, b);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)(dt + at.d)));
+        const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)db));
         // d_w * 2^e, exactly: d_w's bits plus e << 23 where d_w is not 0 (fp16 makes it a
         // normal float, e's range keeps the sum one, and files with a NaN or inf scale are
         // refused), 0 where it is. An integer add runs beside vpdpbusd, where a multiply took
