@@ -87,6 +87,24 @@ struct StreamAhead {
     }
 };
 
+// A tile's blocks in order: block b's bytes and scales, each pointer moved by one add a block,
+// where tile_offsets per block took a score of scalar instructions beside the vector work.
+template <int FMT>
+struct BlockWalk {
+    const uint8_t* q;
+    const uint16_t* d;
+    BlockWalk(const PackedMat& W, int nb, int tile) {
+        const TileOffsets start = tile_offsets(FMT, nb, tile, 0);
+        q = W.q + start.q;
+        d = W.d + start.d;
+    }
+    void next(int b) {      // from block b to b + 1: a pair's second block, or the next pair
+        constexpr int BLOCK = block_chunks(FMT) * CHUNK;
+        q += b % 2 ? BLOCK + PAIR_SCALES : BLOCK;
+        d += b % 2 ? pair_bytes(FMT) / SCALE_BYTES - TILE : TILE;
+    }
+};
+
 // ============================================================================
 // Scalar reference (reads the same packed tiles as the SIMD kernels)
 // ============================================================================
@@ -230,18 +248,14 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
     const int nb = W.cols / QK;
     constexpr int CH = block_chunks(FMT);
     const __m512i nib = _mm512_set1_epi8(0x0f);
-    const TileOffsets start = tile_offsets(FMT, nb, tile, 0);
     __m512 vacc[G];
     for (int t = 0; t < G; t++) vacc[t] = _mm512_setzero_ps();
-    // each block's bytes and scales: one add to each pointer a block, where tile_offsets took a
-    // score of scalar instructions beside the vector work (docs/tuning.md)
-    const uint8_t* qb = W.q + start.q;
-    const uint16_t* db = W.d + start.d;
-    for (int b = 0; b < nb; b++, qb += b % 2 ? CH * CHUNK : CH * CHUNK + PAIR_SCALES,
-                                 db += b % 2 ? TILE : pair_bytes(FMT) / SCALE_BYTES - TILE) {
+    BlockWalk<FMT> walk(W, nb, tile);
+    for (int b = 0; b < nb; walk.next(b++)) {
+        const uint8_t* qb = walk.q;
         // the weights stream from memory once: ask for them well before they are needed
         if (PREFETCH_AHEAD) ahead.block<CH>(qb, b);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)db));
+        const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)walk.d));
         // d_w * 2^e, exactly: d_w's bits plus e << 23 where d_w is not 0 (fp16 makes it a
         // normal float, e's range keeps the sum one, and files with a NaN or inf scale are
         // refused), 0 where it is. An integer add runs beside vpdpbusd, where a multiply took
