@@ -80,10 +80,12 @@ struct StreamAhead {
         if (l2) lines<CH, _MM_HINT_T2>((const char*)qb + l2, pair_start);
     }
 
+    // HINT an _MM_HINT_* value, as _mm_prefetch translates it (whose hint type GCC and clang
+    // declare differently)
     template <int CH, int HINT>
     __attribute__((always_inline)) static inline void lines(const char* p, bool pair_start) {
-        if (pair_start) _mm_prefetch(p - CHUNK, (_mm_hint)HINT);
-        for (int g = 0; g < CH; g++) _mm_prefetch(p + g * CHUNK, (_mm_hint)HINT);
+        if (pair_start) __builtin_prefetch(p - CHUNK, 0, HINT & 3);
+        for (int g = 0; g < CH; g++) __builtin_prefetch(p + g * CHUNK, 0, HINT & 3);
     }
 };
 
