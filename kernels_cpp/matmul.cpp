@@ -95,8 +95,8 @@ template <int FMT>
 struct BlockWalk {
     const uint8_t* q;
     const uint16_t* d;
-    BlockWalk(const PackedMat& W, int nb, int tile) {
-        const TileOffsets start = tile_offsets(FMT, nb, tile, 0);
+    BlockWalk(const PackedMat& W, int tile) {
+        const TileOffsets start = tile_offsets(FMT, W.cols / QK, tile, 0);
         q = W.q + start.q;
         d = W.d + start.d;
     }
@@ -252,7 +252,7 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int t
     const __m512i nib = _mm512_set1_epi8(0x0f);
     __m512 vacc[G];
     for (int t = 0; t < G; t++) vacc[t] = _mm512_setzero_ps();
-    BlockWalk<FMT> walk(W, nb, tile);
+    BlockWalk<FMT> walk(W, tile);
     for (int b = 0; b < nb; walk.next(b++)) {
         const uint8_t* qb = walk.q;
         // the weights stream from memory once: ask for them well before they are needed
