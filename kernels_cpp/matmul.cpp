@@ -38,18 +38,19 @@ static void store_tile(const PackedMat& W, float* y, int64_t ldy, int tile, int 
 // How far ahead the SIMD kernels ask for their weight streams (Tuning, lab.h; the
 // measurements: docs/tuning.md). Distances are in bytes of a 4-bit stream (an 8-bit one goes
 // the same number of blocks, twice the bytes), one request per line. One token is bound by
-// the stream, so it asks prefetch_k1 ahead into L1 and nothing more: a further request into
-// L2 slowed it. Several tokens are bound by arithmetic as much as by the stream, and the
-// hardware prefetcher falls behind a stream read that slowly, so they ask into L2 far ahead
-// and into L1 near. The scales lie in the same stream (formats.h, tile_offsets).
+// the stream, so it may ask prefetch_k1 ahead into L1 and nothing more: on a Zen 4 a further
+// request into L2 slowed it, on a Sapphire Rapids-class Xeon the 4-bit stream wanted it. Several
+// tokens are bound by arithmetic as much as by the stream, and the hardware prefetcher falls
+// behind a stream read that slowly, so they ask into L2 far ahead and into L1 near. The scales
+// lie in the same stream (formats.h, tile_offsets).
 // ============================================================================
 
-// Whether k tokens of a format take the single-token scheme: one token, and two to four
-// tokens where the stream still binds them, as Tuning says per format and k (measured per machine).
+// Whether k tokens of a format take the single-token scheme: one to four tokens, where the
+// stream binds them, as Tuning says per format and k (measured per machine).
 static inline bool stream_bound(int fmt, int k, const Tuning& tn) {
     const bool q4 = fmt == FMT_Q4;
     switch (k) {
-        case 1: return true;
+        case 1: return q4 ? tn.q4_single_k1 : tn.q8_single_k1;
         case 2: return q4 ? tn.q4_single_k2 : tn.q8_single_k2;
         case 3: return q4 ? tn.q4_single_k3 : tn.q8_single_k3;
         case 4: return q4 ? tn.q4_single_k4 : tn.q8_single_k4;

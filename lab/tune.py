@@ -37,7 +37,7 @@ from .kernel_bench import ATTENTION_SHAPE
 from .protocol import interleave, matmul_samples, read_buffer, read_sampler, round_trip_ns, summary
 from .slowcore import SlowCore
 
-SINGLE_K = (2, 3, 4)     # the token counts whose prefetch scheme is chosen, per format
+SINGLE_K = (1, 2, 3, 4)  # the token counts whose prefetch scheme is chosen, per format
 SINGLE = {f"{fmt}_single_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in SINGLE_K}   # field -> what it moves
 MEM_ACC = {f"{fmt}_mem_acc_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in (2, 4)}      # the AVX-512 path's only
 FLAGS = (*SINGLE, *MEM_ACC)      # the yes/no fields
@@ -95,8 +95,8 @@ def moves(a: dict, b: dict, k: int) -> bool:
         if {f"{fmt}_single_k{k}", f"{fmt}_mem_acc_k{k}"} & diff:
             return True
         flag = f"{fmt}_single_k{k}"
-        single = k == 1 or (flag in a and (a[flag] or b[flag]))        # under either tuning
-        multi = k > 1 and not (flag in a and a[flag] and b[flag])
+        single = flag in a and (a[flag] or b[flag])        # under either tuning
+        multi = not (flag in a and a[flag] and b[flag])
         if (single and k1 in diff) or (multi and diff & set(MULTI[fmt])):
             return True
     return False
@@ -418,13 +418,19 @@ SPLIT_TIMERS = {"guided_from_bytes": _threshold_times, "guided_min_bytes": _shar
 # The single-token stream's stages, timed on every thread and again on one, each round's ratio the
 # worse of the two: where the threads do not share one link to memory, as when a hypervisor
 # puts two vCPUs on different dies, each core's own memory parallelism binds (docs/tuning.md).
-ONE_THREAD = {"prefetch_k1": "q4", "prefetch_k1_q8": "q8"}     # stage -> the format whose stream it sets
+ONE_THREAD = {"prefetch_k1": "q4", "prefetch_k1_q8": "q8", "q4_single_k1": "q4", "q8_single_k1": "q8"}  # stage -> its format
 
 
 def single_ks(fmt: str, values: dict) -> list[int]:
     """The token counts that run `fmt`'s single-token scheme under `values`: its distance moves
     them all, and a distance that helps one token lost 1.5-4.4% at two (docs/tuning.md)."""
-    return [1, *(k for k in SINGLE_K if values[f"{fmt}_single_k{k}"])]
+    return [k for k in SINGLE_K if values[f"{fmt}_single_k{k}"]]
+
+
+def stream_ks(stage: str, base: dict) -> list[int]:
+    """The token counts a one-token stream's stage is timed at: a distance at every count that
+    runs its scheme, the one-token scheme's own flag at one token."""
+    return [1] if stage in SINGLE else single_ks(ONE_THREAD[stage], base)
 
 
 def _worse_of(timings: list[dict[str, list[float]]], default: str) -> dict[str, list[float]]:
@@ -436,7 +442,7 @@ def _worse_of(timings: list[dict[str, list[float]]], default: str) -> dict[str, 
 def _bar_rounds(stage: str, rounds: int, threads: int = 1, base: dict | None = None) -> int:
     """The progress bar's rounds for one timing of a stage's candidates on `threads` threads."""
     if stage in ONE_THREAD:
-        return rounds * len(single_ks(ONE_THREAD[stage], base or defaults())) * (2 if threads > 1 else 1)
+        return rounds * len(stream_ks(stage, base or defaults())) * (2 if threads > 1 else 1)
     return rounds * (2 if stage in SPLIT_TIMERS else 1)
 
 
@@ -444,17 +450,17 @@ def _times(stage: str, cands: dict[str, dict], b: _Bench, base: dict, rounds: in
     if stage in SPLIT_TIMERS:
         return _held_up(SPLIT_TIMERS[stage], b, base, cands, rounds, bar)
     if stage in ONE_THREAD:
-        return _stream_times(ONE_THREAD[stage], b, base, cands, rounds, bar)
+        return _stream_times(stage, b, base, cands, rounds, bar)
     sample = _stage_samplers(b)[stage]
     return _per_round({n: (lambda sets=sets: (apply({**base, **sets}), sample())[1]) for n, sets in cands.items()},
                       rounds, bar)
 
 
-def _stream_times(fmt: str, b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
-    """A single-token distance's ratios to the default per round: the worst over every token count
-    that runs the scheme (single_ks), each on every thread and on one."""
-    timings = []
-    for k in single_ks(fmt, base):
+def _stream_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
+    """A one-token stream stage's ratios to the default per round: the worst over the token counts
+    it moves (stream_ks), each on every thread and on one."""
+    timings, fmt = [], ONE_THREAD[stage]
+    for k in stream_ks(stage, base):
         fns = {n: (lambda sets=sets, k=k: (apply({**base, **sets}), b.matmul(fmt, k))[1]) for n, sets in cands.items()}
         timings.append(_per_round(fns, rounds, bar))
         if b.pool.threads > 1:

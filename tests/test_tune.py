@@ -305,6 +305,9 @@ def test_moves_says_which_passes_a_change_can_touch():
     cases = {   # changed fields -> the token counts whose kernels they touch, of 1, 2, 3, 4, 8
         (("prefetch_k1_q8", 4096),): {1, 2},                     # 8-bit takes the single-token scheme at 2
         (("prefetch_k1", 4096),): {1},
+        (("q4_single_k1", False),): {1},                          # one 4-bit token takes the k >= 2 scheme
+        (("q4_single_k1", False), ("prefetch_l1_k", 2048)): {1, 2, 3, 4, 8},
+        (("q4_single_k1", False), ("prefetch_k1", 4096)): {1},   # one tuning still runs it at one token
         (("prefetch_l2_k", 32768),): {2, 3, 4, 8},               # 4-bit at 2 is multi-token
         (("prefetch_l1_k_q8", 4096),): {3, 4, 8},                # 8-bit at 2 is single-token here
         (("q8_mem_acc_k2", False),): {2},
@@ -352,10 +355,11 @@ def test_ab_exit_status_says_whether_any_figure_is_slower(cache, restore, capsys
     assert ("slower: context 32 k 2" in out) if slow else ("not slower on any figure" in out)
 
 
-def test_the_single_token_stages_hold_up_on_one_thread_too(restore, monkeypatch):
-    """A distance 5% faster on every thread but 10% slower on one (a core's own memory
-    parallelism binding) loses to the default; the bar counts both timings."""
-    cands = tune.candidates()["prefetch_k1"]
+@pytest.mark.parametrize("stage", ["prefetch_k1", "q4_single_k1"])
+def test_the_single_token_stages_hold_up_on_one_thread_too(restore, monkeypatch, stage):
+    """A distance, or the one-token scheme itself, 5% faster on every thread but 10% slower on
+    one (a core's own memory parallelism binding) loses to the default; the bar counts both timings."""
+    cands = tune.candidates()[stage]
     default = tune._label(cands, tune.defaults())
     other = next(n for n in cands if n != default)
     b = tune._Bench(1, 1, 2)
@@ -368,12 +372,12 @@ def test_the_single_token_stages_hold_up_on_one_thread_too(restore, monkeypatch)
         calls.append(one)
         return {n: [(1.1 if one else 0.95) if n == other else 1.0] * rounds for n in fns}
     monkeypatch.setattr(tune, "_per_round", per_round)
-    one_token = {**tune.defaults(), **{f"q4_single_k{k}": False for k in tune.SINGLE_K}}   # the scheme at k = 1 only
-    times = tune._times("prefetch_k1", cands, b, one_token, 3, None)
+    one_token = {**tune.defaults(), **{f"q4_single_k{k}": False for k in tune.SINGLE_K if k > 1}}   # at k = 1 only
+    times = tune._times(stage, cands, b, one_token, 3, None)
     assert calls == [False, True] and b.matmul_pool is b.pool
     assert times[other] == [pytest.approx(1.1)] * 3 and times[default] == [1.0] * 3
     assert tune._pick(times, default)[0] == default
-    assert tune._bar_rounds("prefetch_k1", 3, 2, one_token) == 6 and tune._bar_rounds("prefetch_k", 3, 2) == 3
+    assert tune._bar_rounds(stage, 3, 2, one_token) == 6 and tune._bar_rounds("prefetch_k", 3, 2) == 3
 
 
 def test_a_single_token_distance_is_judged_at_every_token_count_it_moves(restore, monkeypatch):
