@@ -1,7 +1,7 @@
 """Tuning by measurement: the engine's speed-only choices, timed on this machine.
 
 The choices (the C++ `Tuning`, kernels_cpp/lab.h): the SIMD kernels' prefetch distances for
-one token (per format) and for k >= 2, whether 2, 3 and 4 tokens take the single-token scheme
+one token (per format) and for k >= 2, whether 1, 2, 3 and 4 tokens take the single-token scheme
 (per format), whether the AVX-512 kernel's 2- and 4-token accumulators go through memory (per
 format), the matrix size from which the matmul split turns from static halves to guided shares,
 and the guided split's smallest share (both judged on quiet cores and with one core shared with
