@@ -429,8 +429,8 @@ def single_ks(fmt: str, values: dict) -> list[int]:
 
 def stream_ks(stage: str, base: dict) -> list[int]:
     """The token counts a one-token stream's stage is timed at: a distance at every count that
-    runs its scheme, the one-token scheme's own flag at one token."""
-    return [1] if stage in SINGLE else single_ks(ONE_THREAD[stage], base)
+    runs its scheme (at one token where none does), the one-token scheme's own flag at one token."""
+    return [1] if stage in SINGLE else single_ks(ONE_THREAD[stage], base) or [1]
 
 
 def _worse_of(timings: list[dict[str, list[float]]], default: str) -> dict[str, list[float]]:

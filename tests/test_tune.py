@@ -394,6 +394,7 @@ def test_a_single_token_distance_is_judged_at_every_token_count_it_moves(restore
         return {n: [(0.95 if fn()[0] == 1 else 1.1) if n == other else 1.0] * rounds for n, fn in fns.items()}
     monkeypatch.setattr(tune, "_per_round", per_round)
     assert tune.single_ks("q8", base) == [1, 2]
+    assert tune.stream_ks("prefetch_k1_q8", {**base, "q8_single_k1": False, "q8_single_k2": False}) == [1]
     times = tune._times("prefetch_k1_q8", cands, b, base, 3, None)
     assert times[other] == [pytest.approx(1.1)] * 3
     assert tune._pick(times, default)[0] == default
