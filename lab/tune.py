@@ -373,9 +373,10 @@ def _label(cands: dict[str, dict], values: dict) -> str:
 
 def _stage_samplers(b: _Bench) -> dict[str, Callable[[], list[float]]]:
     """What each other stage times: the kernels whose speed its values move (the single-token
-    distances: _stream_times)."""
+    stages: _stream_times)."""
     return {**{stage: (lambda fmt=fmt: b.multi(fmt)) for fmt, stage in MULTI_STAGE.items()}, "att_split_k": b.attention,
-            **{f: (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for f, (fmt, k) in (SINGLE | MEM_ACC).items()}}
+            **{f: (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for f, (fmt, k) in (SINGLE | MEM_ACC).items()
+               if f not in ONE_THREAD}}
 
 
 def _threshold_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
@@ -418,7 +419,8 @@ SPLIT_TIMERS = {"guided_from_bytes": _threshold_times, "guided_min_bytes": _shar
 # The single-token stream's stages, timed on every thread and again on one, each round's ratio the
 # worse of the two: where the threads do not share one link to memory, as when a hypervisor
 # puts two vCPUs on different dies, each core's own memory parallelism binds (docs/tuning.md).
-ONE_THREAD = {"prefetch_k1": "q4", "prefetch_k1_q8": "q8", "q4_single_k1": "q4", "q8_single_k1": "q8"}  # stage -> its format
+# stage -> its format: each format's one-token distance, and its one-token scheme flag
+ONE_THREAD = {"prefetch_k1": "q4", "prefetch_k1_q8": "q8", **{f: fmt for f, (fmt, k) in SINGLE.items() if k == 1}}
 
 
 def single_ks(fmt: str, values: dict) -> list[int]:
