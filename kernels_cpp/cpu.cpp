@@ -3,6 +3,7 @@
 
 #include <cpuid.h>
 #include <sched.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -49,6 +50,7 @@ CpuInfo cpu_info() {
         const uint64_t xcr0 = xgetbv0();
         c.os_avx = (xcr0 & 0x6) == 0x6;               // SSE + AVX state
         c.os_avx512 = (xcr0 & 0xe6) == 0xe6;          // + opmask, ZMM_Hi256, Hi16_ZMM
+        c.os_amx = (xcr0 & 0x60000) == 0x60000;       // XTILECFG, XTILEDATA
     }
     if (max_leaf >= 7) {
         cpuid(7, 0, r);
@@ -59,6 +61,8 @@ CpuInfo cpu_info() {
         c.avx512vl = r[1] & (1u << 31);
         c.avx512vnni = r[2] & (1u << 11);
         c.hybrid = r[3] & (1u << 15);
+        c.amx_bf16 = r[3] & (1u << 22);
+        c.amx_tile = r[3] & (1u << 24);
         cpuid(7, 1, r);
         c.avxvnni = r[0] & (1u << 4);
         c.avx512bf16 = r[0] & (1u << 5);
@@ -81,12 +85,20 @@ bool path_supported(int path) {
     }
 }
 
+// Linux lends a process the AMX tiles' state only when asked (arch_prctl), once for all its threads.
+static bool amx_lent() {
+    constexpr long ARCH_REQ_XCOMP_PERM = 0x1023, XFEATURE_XTILEDATA = 18;
+    return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+}
+
 int attention_mode(int path, int mode, int head_dim) {
-    static const bool bf16 = cpu_info().avx512bf16;
-    const bool hw = path == PATH_AVX512VNNI && path_supported(path) && bf16 && head_dim % 16 == 0;
-    if (mode == ATT_DEFAULT) return hw ? ATT_BF16 : ATT_F32;
+    static const CpuInfo c = cpu_info();
+    static const bool amx = c.amx_tile && c.amx_bf16 && c.os_amx && c.avx512bf16 && amx_lent();
+    const bool hw = path == PATH_AVX512VNNI && path_supported(path) && c.avx512bf16 && head_dim % 16 == 0;
+    if (mode == ATT_DEFAULT) return hw && amx ? ATT_AMX : hw ? ATT_BF16 : ATT_F32;
     if (mode == ATT_F32) return ATT_F32;
     if (mode == ATT_BF16) return hw || path == PATH_SCALAR ? ATT_BF16 : -1;
+    if (mode == ATT_AMX) return (hw && amx) || path == PATH_SCALAR ? ATT_AMX : -1;
     return -1;
 }
 

@@ -29,7 +29,8 @@ struct CpuInfo {
     int logical_cpus;
     bool sse42, avx, avx2, fma, f16c, avxvnni;
     bool avx512f, avx512dq, avx512bw, avx512vl, avx512vnni, avx512bf16;
-    bool os_avx, os_avx512;     // the OS saves the wide registers (XCR0)
+    bool amx_tile, amx_bf16;
+    bool os_avx, os_avx512, os_amx;   // the OS saves the wide registers, the tiles (XCR0)
     bool hybrid;                // performance + efficiency cores
 };
 
@@ -43,13 +44,16 @@ int core_type(int cpu);         // hybrid CPUs: 0x40 performance, 0x20 efficienc
 // Attention's products. ATT_F32: fp16 K and V, as floats, times float queries and
 // probabilities. ATT_BF16: all four rounded to bf16 (K and V as the cache stores them), each
 // product exact, summed in float two at a time (vdpbf16ps: twice the multiply-adds per
-// instruction of float FMAs). A model's cache holds what its attention reads, so one model
-// runs one attention mode from its first position to its last.
-// ATT_DEFAULT: bf16 where the path has it in hardware, else f32.
-enum AttentionMode : int { ATT_DEFAULT = -1, ATT_F32 = 0, ATT_BF16 = 1 };
-// What `mode` runs as on `path` for heads of head_dim values: ATT_F32 or ATT_BF16, or -1 where
-// the path cannot (bf16 runs on the AVX-512 path of a CPU with AVX512_BF16, with head_dim a
-// multiple of 16, and in the scalar reference).
+// instruction of float FMAs). ATT_AMX: the same operands and cache, the products summed 32 at
+// a time by AMX tiles, in the unit's own order (a matrix unit: a verification pass's
+// attention stops growing with its tokens). A model's cache holds what its attention reads,
+// so one model runs one attention mode from its first position to its last.
+// ATT_DEFAULT: the fastest the path has in hardware: AMX, else bf16, else f32.
+enum AttentionMode : int { ATT_DEFAULT = -1, ATT_F32 = 0, ATT_BF16 = 1, ATT_AMX = 2 };
+// What `mode` runs as on `path` for heads of head_dim values: ATT_F32, ATT_BF16 or ATT_AMX, or
+// -1 where the path cannot. bf16 runs on the AVX-512 path of a CPU with AVX512_BF16, amx where
+// it also has AMX-BF16 and the OS lends this process the tiles, both with head_dim a multiple
+// of 16; the scalar reference runs both as bf16 operands summed one at a time.
 int attention_mode(int path, int mode, int head_dim);
 
 // ----------------------------------------------------------------------------
@@ -546,11 +550,11 @@ void fill_random(uint8_t* buf, int64_t n, uint64_t seed);
 // Attention alone on one thread, as one task of a pass does it: `tokens` query tokens of
 // `group` heads each (head_dim D) against one KV head with n0 positions cached before the
 // first token. Seconds per call, one per repeat, after a warm-up; 1 for a bad argument.
-int bench_attention(int D, int group, int tokens, int n0, int path, int reps, double* secs);
+int bench_attention(int D, int group, int tokens, int n0, int path, int reps, double* secs, int mode = ATT_DEFAULT);
 // The attention stage of a pass on the pool: `layers` layers of KV heads, each task as the
 // engine splits them (attention_per), K and V over the caches' size.
 int bench_attention_pool(int D, int group, int KV, int tokens, int n0, int layers, int path, ThreadPool* pool,
-                         int reps, double* secs);
+                         int reps, double* secs, int mode = ATT_DEFAULT);
 // Times `reps` forward passes of k tokens at pos (after one warm-up); logits: [k][vocab].
 int bench_forward(Model& m, const int32_t* tokens, int k, int pos, int mode, ThreadPool* pool,
                   int path, int reps, double* secs, float* logits);

@@ -183,13 +183,19 @@ static_assert(ATT_WINDOW_BLOCK % SCORE_BLOCK == 0, "a window starts on whole sco
 // The work buffer beside the scores, per thread: either block as floats.
 constexpr int ATT_BUF_ROWS = SCORE_BLOCK > VALUE_BLOCK ? SCORE_BLOCK : VALUE_BLOCK;
 
-// One task's scratch: the scores of `rows` rows over up to `ctx` positions, then the block
-// buffer on a cache line of its own (16 floats of room to get there).
+// A task's rows in whole AMX tiles of 16: ATT_AMX reads and writes scratch rows past its own.
+constexpr int att_tile_rows(int rows) { return (rows + 15) / 16 * 16; }
+// ATT_AMX's work buffer (attend_amx.inc's amx::Buffer), in floats.
+constexpr size_t att_amx_floats(int rows, int D) {
+    return (size_t)att_tile_rows(rows) * D * 3 / 2 + (size_t)16 * D + 16 * 32 / 2 + 2 * 16 * 16;
+}
+// One task's scratch: the scores of `rows` rows (in whole tiles) over up to `ctx` positions,
+// then the work buffer on a cache line of its own (16 floats of room to get there).
 constexpr size_t att_scratch_floats(int rows, int ctx, int D) {
-    return (size_t)rows * ctx + (size_t)ATT_BUF_ROWS * D + 16;
+    return (size_t)att_tile_rows(rows) * ctx + std::max((size_t)ATT_BUF_ROWS * D, att_amx_floats(rows, D)) + 16;
 }
 inline float* att_buffer(float* scores, int rows, int ctx) {
-    return (float*)(((uintptr_t)(scores + (size_t)rows * ctx) + 63) & ~(uintptr_t)63);
+    return (float*)(((uintptr_t)(scores + (size_t)att_tile_rows(rows) * ctx) + 63) & ~(uintptr_t)63);
 }
 
 namespace att256 {
@@ -247,6 +253,14 @@ struct Vec {
 #pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16")
 namespace att512 {
 #include "attend_bf16.inc"
+}  // namespace att512
+#pragma GCC pop_options
+
+// AMX tiles: a target of their own, for the same reason.
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512bf16,amx-tile,amx-bf16")
+namespace att512 {
+#include "attend_amx.inc"
 }  // namespace att512
 #pragma GCC pop_options
 
@@ -663,9 +677,10 @@ int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, T
 // passes bit for bit.
 // ATT_BF16 has a kernel at 512 bits only (attention_mode says where it runs).
 static AttendFn attend_for(int path, int D, int mode) {
-    const bool bf16 = attention_mode(path, mode, D) == ATT_BF16;
-    if (path == PATH_SCALAR) return bf16 ? attend_scalar<true> : attend_scalar<false>;
-    if (path == PATH_AVX512VNNI && D % 16 == 0) return bf16 ? att512::attend_bf16 : att512::attend;
+    const int runs = attention_mode(path, mode, D);
+    if (path == PATH_SCALAR) return runs == ATT_F32 ? attend_scalar<false> : attend_scalar<true>;
+    if (runs == ATT_AMX) return att512::attend_amx;
+    if (path == PATH_AVX512VNNI && D % 16 == 0) return runs == ATT_BF16 ? att512::attend_bf16 : att512::attend;
     return att256::attend;
 }
 
@@ -716,7 +731,7 @@ void Model::Impl::store_kv(int layer, int kvh, int p, const float* k, const floa
     const int D = h.head_dim;
     const size_t head = ((size_t)layer * h.num_kv_heads + kvh) * cache_ctx * D;
     uint16_t *K = kcache() + head, *V = vcache() + head;
-    if (attention_mode(path, att_mode, D) == ATT_BF16) {
+    if (attention_mode(path, att_mode, D) != ATT_F32) {
         for (int i = 0; i < D; i++) K[k_pair_at(p, i, D)] = bf16_bits(k[i]);
         for (int i = 0; i < D; i++) V[v_pair_at(p, i, D)] = bf16_bits(v[i]);
         return;
@@ -843,25 +858,25 @@ static float uniform(Rng& rng) { return (float)(2 * rng.uniform() - 1); }
 
 // n random K or V values in the cache's format for this path's attention (any layout: the
 // values are random).
-static void random_cache(uint16_t* c, size_t n, int path, int D, Rng& rng) {
-    const bool bf16 = attention_mode(path, ATT_DEFAULT, D) == ATT_BF16;
+static void random_cache(uint16_t* c, size_t n, int path, int D, int mode, Rng& rng) {
+    const bool bf16 = attention_mode(path, mode, D) != ATT_F32;
     for (size_t i = 0; i < n; i++) c[i] = bf16 ? bf16_bits(uniform(rng)) : fp32_to_fp16(uniform(rng));
 }
 
-int bench_attention(int D, int group, int tokens, int n0, int path, int reps, double* secs) {
+int bench_attention(int D, int group, int tokens, int n0, int path, int reps, double* secs, int mode) {
     if (D < 16 || D % 16 || group < 1 || tokens < 1 || tokens > MAX_K || n0 < 1 || reps < 1 || path < 0 ||
-        path >= PATH_COUNT || !path_supported(path))
+        path >= PATH_COUNT || !path_supported(path) || attention_mode(path, mode, D) < 0)
         return 1;
     const int n = n0 + tokens - 1, R = group * tokens;
     const size_t cached = (size_t)k_cache_positions(n) * D;
     std::vector<uint16_t> K(cached), V(cached);
     std::vector<float> q((size_t)R * D), out((size_t)R * D), scratch(att_scratch_floats(R, n, D));
     Rng rng(1);
-    for (auto* c : {&K, &V}) random_cache(c->data(), c->size(), path, D, rng);
+    for (auto* c : {&K, &V}) random_cache(c->data(), c->size(), path, D, mode, rng);
     for (auto& x : q) x = uniform(rng);
     float* row = att_buffer(scratch.data(), R, n);
     const Queries a{q.data(), (size_t)group * D, out.data(), (size_t)group * D, group, tokens, n0, D};
-    const AttendFn attend = attend_for(path, D, ATT_DEFAULT);
+    const AttendFn attend = attend_for(path, D, mode);
     const float scale = 1.0f / std::sqrt((float)D);
     attend(a, K.data(), V.data(), scale, scratch.data(), row);     // warm-up: pages, caches
     for (int r = 0; r < reps; r++) {
@@ -876,21 +891,21 @@ int bench_attention(int D, int group, int tokens, int n0, int path, int reps, do
 // `layers` layers of KV heads, each of n0 + tokens - 1 cached positions (over the caches'
 // size, from memory), `tokens` query tokens of `group` heads a KV head.
 int bench_attention_pool(int D, int group, int KV, int tokens, int n0, int layers, int path, ThreadPool* pool,
-                         int reps, double* secs) {
+                         int reps, double* secs, int mode) {
     if (D < 16 || D % 16 || group < 1 || KV < 1 || tokens < 1 || tokens > MAX_K || n0 < 1 || layers < 1 ||
-        reps < 1 || path < 0 || path >= PATH_COUNT || !path_supported(path))
+        reps < 1 || path < 0 || path >= PATH_COUNT || !path_supported(path) || attention_mode(path, mode, D) < 0)
         return 1;
     const int n = n0 + tokens - 1, rows = att_task_rows(group);
     const size_t head = (size_t)k_cache_positions(n) * D, heads = (size_t)layers * KV;
     Buffer KB((int64_t)(2 * head * heads)), VB((int64_t)(2 * head * heads));     // on 2 MB pages, as the engine's
     uint16_t *K = (uint16_t*)KB.data(), *V = (uint16_t*)VB.data();
     Rng rng(1);
-    for (uint16_t* c : {K, V}) random_cache(c, head * heads, path, D, rng);
+    for (uint16_t* c : {K, V}) random_cache(c, head * heads, path, D, mode, rng);
     const size_t stride = (size_t)KV * group * D, per_thread = att_scratch_floats(rows, n, D);
     std::vector<float> q((size_t)tokens * stride), out((size_t)tokens * stride);
     std::vector<float> scratch((size_t)(pool ? pool->size() : 1) * per_thread + 16);
     for (auto& x : q) x = uniform(rng);
-    const AttendFn attend = attend_for(path, D, ATT_DEFAULT);
+    const AttendFn attend = attend_for(path, D, mode);
     const float scale = 1.0f / std::sqrt((float)D);
     const int per = attention_per(tokens, group, KV, pool ? pool->size() : 1, rows);
     PinScope pin(pool);

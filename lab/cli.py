@@ -702,8 +702,8 @@ def _target_flags(p) -> None:
 
 
 def _attention_flag(p) -> None:
-    p.add_argument("--attention", choices=["f32", "bf16"],
-                   help="attention's products (default: bf16 where the kernel path has it, else f32)")
+    p.add_argument("--attention", choices=["f32", "bf16", "amx"],
+                   help="attention's products (default: amx, else bf16, where the kernel path has it, else f32)")
 
 
 def _add_bandwidth(benches) -> None:

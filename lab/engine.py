@@ -85,15 +85,16 @@ class Result:
 
 
 def attention_mode(path_id: int, name: str | None, head_dim: int) -> str:
-    """What attention=name runs as on this path: "f32" or "bf16"; an EngineError where it cannot."""
+    """What attention=name runs as on this path: "f32", "bf16" or "amx"; an EngineError where it cannot."""
     modes = native.consts().attention
     if name is not None and name not in modes:
         raise EngineError(f"attention={name!r}: choose one of {', '.join(modes)} (or None for the path's own)")
     mode = int(native.lib().attention_mode(path_id, -1 if name is None else modes[name], head_dim))
     if mode < 0:
-        raise EngineError(f"attention={name!r} needs AVX512_BF16 on the avx512vnni path (or the scalar "
-                          f"reference, path='scalar'); this engine runs path {native.consts().paths[path_id]!r}: "
-                          f"use attention='f32'")
+        need = "AMX-BF16 (lent by the OS)" if name == "amx" else "AVX512_BF16"
+        raise EngineError(f"attention={name!r} needs {need} on the avx512vnni path and a head_dim that is a "
+                          f"multiple of 16 (or the scalar reference, path='scalar'); this engine runs path "
+                          f"{native.consts().paths[path_id]!r}: use attention='f32'")
     return next(n for n, m in modes.items() if m == mode)
 
 
@@ -104,9 +105,10 @@ class Engine:
     the read-only mapping of the file (less memory, slower decoding: 4 KB pages). verify
     checks the file's content hash the first time each version of it loads (default: yes,
     unless LAB_VERIFY=0, which `lab --no-verify` sets). attention: its products in "f32"
-    (an fp16 KV cache, read as floats) or "bf16" (a bf16 KV cache, and every other operand
-    rounded to bf16: twice the multiply-adds per instruction); None: bf16 where the path has it in hardware (AVX-512 with
-    AVX512_BF16), f32 elsewhere. `self.attention` says which runs.
+    (an fp16 KV cache, read as floats), "bf16" (a bf16 KV cache, and every other operand
+    rounded to bf16: twice the multiply-adds per instruction) or "amx" (bf16's operands, summed
+    by AMX tiles); None: the fastest the path has in hardware (amx on AVX-512 with AMX-BF16,
+    bf16 with AVX512_BF16), f32 elsewhere. `self.attention` says which runs.
     """
 
     def __init__(self, model_file: str | Path, threads: int | None = None, cpus: list[int] | None = None,

@@ -135,7 +135,7 @@ def consts() -> SimpleNamespace:
         logits={"none": int(ns.LOGITS_NONE), "last": int(ns.LOGITS_LAST), "all": int(ns.LOGITS_ALL)},
         paths=_path_names(ns),
         archs={"qwen3": int(ns.ARCH_QWEN3), "qwen2": int(ns.ARCH_QWEN2), "llama": int(ns.ARCH_LLAMA)},
-        attention={"f32": int(ns.ATT_F32), "bf16": int(ns.ATT_BF16)},
+        attention={"f32": int(ns.ATT_F32), "bf16": int(ns.ATT_BF16), "amx": int(ns.ATT_AMX)},
         file_version=int(ns.MODEL_FILE_VERSION),
         window_block=int(ns.ATT_WINDOW_BLOCK))
 
@@ -221,7 +221,7 @@ def cpu() -> dict:
     c = ns.cpu_info()
     flags = {f: bool(getattr(c, f)) for f in (
         "sse42", "avx", "avx2", "fma", "f16c", "avxvnni", "avx512f", "avx512dq", "avx512bw", "avx512vl",
-        "avx512vnni", "avx512bf16", "os_avx", "os_avx512", "hybrid")}
+        "avx512vnni", "avx512bf16", "amx_tile", "amx_bf16", "os_avx", "os_avx512", "os_amx", "hybrid")}
     n = int(c.logical_cpus)
     types = {0x40: "performance", 0x20: "efficiency"}
     cores = [types.get(int(ns.core_type(i)), "uniform") for i in range(n)] if flags["hybrid"] else None

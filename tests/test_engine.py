@@ -3,6 +3,7 @@ tracks its twin; a k-token pass equals k single-token passes bit for bit; greedy
 speculative output equals plain greedy output bit for bit; the acceptance rule samples
 the target's distribution; bad requests are Python exceptions."""
 import ctypes
+import dataclasses
 import ctypes.util
 import math
 
@@ -148,6 +149,27 @@ def test_attention_across_cache_blocks(files, pool, path, attention):
 
 
 @pytest.mark.parametrize("path,attention", path_attention())
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_qwen_wide_heads_k_token_pass_equals_single_passes(tmp_path, pool, path, attention, head_dim):
+    """Heads as wide as Qwen's, 6 query heads a KV head (the tiny models' are 16 and 32 wide):
+    a k-token pass equals single passes across value blocks and odd counts of positions, on
+    every path within float32 rounding of the scalar reference."""
+    c = dataclasses.replace(TINY["tiny-qwen3"], num_layers=1, num_heads=12, num_kv_heads=2, head_dim=head_dim)
+    model = ex.export(c, tiny_weights(c, seed=2), tmp_path / "wide.lab", "f32")
+    toks = (prompts(c, 1, seed=4)[0] * 200)[:200]
+    runs = {}
+    for p in ("scalar", path):
+        e = Engine(model, pool=pool, max_context=200, path=p, attention=attention)
+        e.forward(toks[:120], 0, logits="none")
+        runs[p] = np.stack([e.forward([t], 120 + j, logits="last") for j, t in enumerate(toks[120:160])])
+        for at, k in ((120, 1), (120, 8), (125, 16), (131, 9), (144, 16)):
+            got = e.forward(toks[at:at + k], at)
+            assert got.tobytes() == runs[p][at - 120:at - 120 + k].tobytes(), (p, at, k)
+    tol = 1e-4 if attention == "f32" else 1e-3          # bf16 operands: see the test above
+    np.testing.assert_allclose(runs[path], runs["scalar"], rtol=tol, atol=tol * float(np.abs(runs["scalar"]).max()))
+
+
+@pytest.mark.parametrize("path,attention", path_attention())
 def test_windowed_attention(files, pool, path, attention):
     """A windowed engine (sink 32, window 40): a k-token pass whose rows start their windows
     on different blocks still equals single passes; every path stays within float32
@@ -177,8 +199,10 @@ def test_windowed_attention(files, pool, path, attention):
         e.set_window(40, sink=16)
 
 
-@pytest.mark.skipif(("avx512vnni", "bf16") not in path_attention(), reason="no AVX512_BF16")
-def test_bf16_values_ignore_what_the_cache_holds_past_them(pool, tmp_path):
+@pytest.mark.parametrize("attention", [
+    pytest.param(a, marks=pytest.mark.skipif(("avx512vnni", a) not in path_attention(), reason=f"no {a} on this CPU"))
+    for a in ("bf16", "amx")])
+def test_bf16_values_ignore_what_the_cache_holds_past_them(pool, tmp_path, attention):
     """The bf16 cache pairs positions, so an odd count of them reads a neighbour it does not
     see: an infinity a failed pass left there must not reach the outputs."""
     c = TINY["tiny-qwen2"]
@@ -190,7 +214,7 @@ def test_bf16_values_ignore_what_the_cache_holds_past_them(pool, tmp_path):
     v[0] = 0.0
     v[0, 0] = 6e37                                            # ... but infinite for `hot`
     e = Engine(ex.export(c, w, tmp_path / "hot.lab", "f32"), pool=pool, max_context=64, path="avx512vnni",
-               attention="bf16")
+               attention=attention)
     toks = [1, 2, 3, 4, 5]
     want = e.forward(toks, 0)
     assert np.isfinite(want).all()
@@ -534,6 +558,8 @@ def test_bad_requests_are_exceptions(files, pool, tmp_path):
         Engine(files["tiny-qwen3"]["q8"], pool=pool, max_context=64, attention="fp8")
     with pytest.raises(EngineError, match="needs AVX512_BF16 on the avx512vnni path"):
         Engine(files["tiny-qwen3"]["q8"], pool=pool, max_context=64, path="avx2", attention="bf16")
+    with pytest.raises(EngineError, match="needs AMX-BF16 .* on the avx512vnni path"):
+        Engine(files["tiny-qwen3"]["q8"], pool=pool, max_context=64, path="avx2", attention="amx")
 
 
 def test_bf16_rounding_matches_torch():

@@ -110,9 +110,10 @@ def quantized_reference_weights(config: ModelConfig, weights: dict[str, torch.Te
 class Twin(Reference):
     def __init__(self, config: ModelConfig, weights: dict[str, torch.Tensor], scheme: str = "q4-q8out",
                  max_context: int = 2048, attention: str = "f32"):
-        if attention not in ("f32", "bf16"):
-            raise ValueError(f"attention={attention!r}: the engine's products are 'f32' or 'bf16'")
-        self.scheme, self.attention_products = scheme, attention
+        if attention not in ("f32", "bf16", "amx"):
+            raise ValueError(f"attention={attention!r}: the engine's products are 'f32', 'bf16' or 'amx'")
+        # amx: bf16's operands, summed by tiles in an order of their own (within float rounding)
+        self.scheme, self.attention_products = scheme, "bf16" if attention == "amx" else attention
         self.quantized, deq = quantized_reference_weights(config, weights, scheme)
         super().__init__(config, deq, max_context)
         self.quantized_names = {n for n, q in self.quantized.items() if isinstance(q, formats.QTensor)}
