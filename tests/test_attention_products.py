@@ -1,7 +1,7 @@
 """tools/attention_products.py, where the diary's figures on bf16 attention's cost in quality
-come from: on a tiny model (the scalar reference runs both products on any CPU), two
-engines with the same products agree exactly, and bf16 against f32 moves the distributions
-a little but not by nothing."""
+come from: on a tiny model (the scalar reference runs every mode's products on any CPU),
+two engines with the same products agree exactly, and bf16 or amx against f32 moves the
+distributions a little but not by nothing."""
 import sys
 from pathlib import Path
 
@@ -26,9 +26,10 @@ def model_file(tmp_path_factory):
 def test_the_comparison_tells_products_apart(model_file):
     pool = Pool(1)
     ws = [list(np.random.default_rng(s).integers(0, TINY["tiny-qwen3"].tokenizer_size, 48)) for s in (1, 2)]
-    make = {a: Engine(model_file, pool=pool, max_context=64, path="scalar", attention=a) for a in ("f32", "bf16")}
+    make = {a: Engine(model_file, pool=pool, max_context=64, path="scalar", attention=a) for a in ("f32", "bf16", "amx")}
     same = attention_products.compare({"f32": make["f32"], "bf16": make["f32"]}, ws)
-    assert same["kl_max"] == 0 and same["same_top"] == 1 and same["predictions"] == 94
+    assert same["kl"]["bf16"]["max"] == 0 and same["same_top"]["bf16"] == 1 and same["predictions"] == 94
     r = attention_products.compare(make, ws)
-    assert 0 < r["kl_mean"] < 1e-2 and r["same_top"] > 0.9
-    assert abs(r["perplexity"]["bf16"] / r["perplexity"]["f32"] - 1) < 0.01
+    for m in ("bf16", "amx"):
+        assert 0 < r["kl"][m]["mean"] < 1e-2 and r["same_top"][m] > 0.9
+        assert abs(r["perplexity"][m] / r["perplexity"]["f32"] - 1) < 0.01

@@ -1,7 +1,8 @@
-"""A model's next-token distributions with attention's products in f32 against bf16
-(docs/tuning.md): perplexity of each over windows of Python's own standard library, the
-KL divergence of bf16's distribution from f32's per token, and how often the two pick the
-same top token. Both engines run in one process on the same pool, window by window.
+"""A model's next-token distributions with attention's products in f32 against bf16 and
+amx (docs/tuning.md): perplexity of each over windows of Python's own standard library, the
+KL divergence of each one's distribution from f32's per token, and how often the two pick
+the same top token. The engines run in one process on the same pool, window by window;
+amx where this CPU runs it.
 
     .venv/bin/python tools/attention_products.py --model qwen2.5-coder-1.5b --window 1024 --windows 3
 """
@@ -14,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from lab import native  # noqa: E402
 from lab.engine import Engine  # noqa: E402
 from lab.kernels import Pool  # noqa: E402
 from lab.models.export import engine_file  # noqa: E402
@@ -27,21 +29,25 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def compare(engines: dict, ws: list[list[int]]) -> dict:
-    """-> perplexity per engine, KL(f32 || bf16) per token, and the share of equal top tokens."""
+    """-> perplexity per engine; against engines["f32"], for each other engine, KL(f32 || it)
+    per token (mean, p99, max) and the share of equal top tokens."""
     nll = dict.fromkeys(engines, 0.0)
-    kl, same, n = [], 0, 0
+    others = [a for a in engines if a != "f32"]
+    kl, same, n = {a: [] for a in others}, dict.fromkeys(others, 0), 0
     for w in ws:
         lp = {a: log_softmax(e.forward(w, 0)[:-1].astype(np.float64)) for a, e in engines.items()}
         target = np.array(w[1:])
         for a in engines:
             nll[a] -= lp[a][np.arange(target.size), target].sum()
-        kl.append((np.exp(lp["f32"]) * (lp["f32"] - lp["bf16"])).sum(-1))
-        same += int((lp["f32"].argmax(-1) == lp["bf16"].argmax(-1)).sum())
+        for a in others:
+            kl[a].append((np.exp(lp["f32"]) * (lp["f32"] - lp[a])).sum(-1))
+            same[a] += int((lp["f32"].argmax(-1) == lp[a].argmax(-1)).sum())
         n += target.size
-    kl = np.concatenate(kl)
+    kl = {a: np.concatenate(v) for a, v in kl.items()}
     return {"predictions": n, "perplexity": {a: float(np.exp(v / n)) for a, v in nll.items()},
-            "kl_mean": float(kl.mean()), "kl_p99": float(np.quantile(kl, 0.99)), "kl_max": float(kl.max()),
-            "same_top": same / n}
+            "kl": {a: {"mean": float(v.mean()), "p99": float(np.quantile(v, 0.99)), "max": float(v.max())}
+                   for a, v in kl.items()},
+            "same_top": {a: v / n for a, v in same.items()}}
 
 
 def main(argv=None) -> int:
@@ -58,13 +64,17 @@ def main(argv=None) -> int:
     if not ws:
         raise SystemExit(f"the corpus has {len(ids)} tokens, fewer than one window of {a.window}")
     pool = Pool()
-    engines = {m: Engine(engine_file(a.model), pool=pool, max_context=a.window, attention=m) for m in ("f32", "bf16")}
+    runs = [m for m in native.consts().attention
+            if m in ("f32", "bf16") or int(native.lib().attention_mode(native.lib().active_path(),
+                                                                        native.consts().attention[m], 128)) >= 0]
+    engines = {m: Engine(engine_file(a.model), pool=pool, max_context=a.window, attention=m) for m in runs}
     r = compare(engines, ws)
     print(f"{a.model}: {len(ws)} windows of {a.window} tokens ({r['predictions']} predictions)")
     for m, ppl in r["perplexity"].items():
         print(f"  perplexity, {m} products: {ppl:.4f}")
-    print(f"  KL(f32 || bf16) per token: mean {r['kl_mean']:.2e}, p99 {r['kl_p99']:.2e}, max {r['kl_max']:.2e}")
-    print(f"  same top token: {r['same_top']:.4f}")
+    for m, k in r["kl"].items():
+        print(f"  KL(f32 || {m}) per token: mean {k['mean']:.2e}, p99 {k['p99']:.2e}, max {k['max']:.2e}; "
+              f"same top token: {r['same_top'][m]:.4f}")
     return 0
 
 
