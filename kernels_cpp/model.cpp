@@ -183,16 +183,23 @@ static_assert(ATT_WINDOW_BLOCK % SCORE_BLOCK == 0, "a window starts on whole sco
 // The work buffer beside the scores, per thread: either block as floats.
 constexpr int ATT_BUF_ROWS = SCORE_BLOCK > VALUE_BLOCK ? SCORE_BLOCK : VALUE_BLOCK;
 
-// A task's rows in whole AMX tiles of 16: ATT_AMX reads and writes scratch rows past its own.
-constexpr int att_tile_rows(int rows) { return (rows + 15) / 16 * 16; }
-// ATT_AMX's work buffer (attend_amx.inc's amx::Buffer), in floats.
-constexpr size_t att_amx_floats(int rows, int D) {
-    return (size_t)att_tile_rows(rows) * D * 3 / 2 + (size_t)16 * D + 16 * 32 / 2 + 2 * 16 * 16;
-}
+// ATT_AMX's tiles: 16 query rows, a value step of 32 positions (16 pairs).
+constexpr int AMX_ROWS = 16, AMX_POS = 32;
+// A task's rows in whole tiles: ATT_AMX reads and writes scratch rows past its own.
+constexpr int att_tile_rows(int rows) { return (rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS; }
+// ATT_AMX's work buffer, offsets in floats: accumulators [rows][D], queries [rows][D] bf16, a
+// step's tail of value pairs [16][D] and of probabilities [16][32] bf16, a step's output
+// [2][16][16] (on a cache line, as D is a multiple of 16).
+struct AmxLayout {
+    size_t acc, q, v_tail, p_tail, out, end;
+    constexpr AmxLayout(int rows, int D)
+        : acc(0), q(acc + (size_t)rows * D), v_tail(q + (size_t)rows * D / 2), p_tail(v_tail + (size_t)AMX_ROWS * D),
+          out(p_tail + AMX_ROWS * AMX_POS / 2), end(out + 2 * AMX_ROWS * 16) {}
+};
 // One task's scratch: the scores of `rows` rows (in whole tiles) over up to `ctx` positions,
 // then the work buffer on a cache line of its own (16 floats of room to get there).
 constexpr size_t att_scratch_floats(int rows, int ctx, int D) {
-    return (size_t)att_tile_rows(rows) * ctx + std::max((size_t)ATT_BUF_ROWS * D, att_amx_floats(rows, D)) + 16;
+    return (size_t)att_tile_rows(rows) * ctx + std::max((size_t)ATT_BUF_ROWS * D, AmxLayout(att_tile_rows(rows), D).end) + 16;
 }
 inline float* att_buffer(float* scores, int rows, int ctx) {
     return (float*)(((uintptr_t)(scores + (size_t)att_tile_rows(rows) * ctx) + 63) & ~(uintptr_t)63);
