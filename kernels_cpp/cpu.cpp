@@ -93,7 +93,7 @@ static bool amx_lent() {
 
 int attention_mode(int path, int mode, int head_dim) {
     static const CpuInfo c = cpu_info();
-    static const bool amx = c.amx_tile && c.amx_bf16 && c.os_amx && c.avx512bf16 && amx_lent();
+    static const bool amx = c.amx_tile && c.amx_bf16 && c.os_amx && amx_lent();
     const bool hw = path == PATH_AVX512VNNI && path_supported(path) && c.avx512bf16 && head_dim % 16 == 0;
     if (mode == ATT_DEFAULT) return hw && amx ? ATT_AMX : hw ? ATT_BF16 : ATT_F32;
     if (mode == ATT_F32) return ATT_F32;

@@ -180,6 +180,36 @@ constexpr int VALUE_ROWS = 6;
 constexpr int SCORE_BLOCK = 32;
 static_assert(SCORE_BLOCK % K_BLOCK == 0, "a score tile takes whole blocks of the K cache");
 static_assert(ATT_WINDOW_BLOCK % SCORE_BLOCK == 0, "a window starts on whole score tiles");
+// A task's K tiles, then its V blocks: one stream of blocks, block b + AHEAD_BLOCKS fetched
+// under block b's arithmetic (the first ones at once, start()). Value blocks are cut where a
+// windowed task's sink ends, so each is contiguous in the cache: the hb blocks of [0, hs),
+// then those of [hs, n), n being the task's virtual positions.
+struct KvBlocks {
+    const Queries& a;
+    const uint16_t *K, *V;
+    int skip, n, hs, hb, nk, nv;
+    KvBlocks(const Queries& q, const uint16_t* k, const uint16_t* v)
+        : a(q), K(k), V(v), skip(q.skip()), n(q.last() - skip), hs(skip ? q.sink : 0),
+          hb((hs + VALUE_BLOCK - 1) / VALUE_BLOCK), nk((n + SCORE_BLOCK - 1) / SCORE_BLOCK),
+          nv(hb + (n - hs + VALUE_BLOCK - 1) / VALUE_BLOCK) {}
+    int v_from(int j) const { return j < hb ? j * VALUE_BLOCK : hs + (j - hb) * VALUE_BLOCK; }
+    int v_to(int j) const { return std::min(j < hb ? hs : n, v_from(j) + VALUE_BLOCK); }
+    const uint16_t* k_at(int t0) const { return K + (size_t)a.at(t0, skip) * a.D; }   // a score tile's K
+    const uint16_t* v_at(int j) const { return V + (size_t)a.at(v_from(j), skip) * a.D; }   // value block j
+    // block b's lines (the K tiles, then the value blocks), spread over `steps` steps; none past the last
+    Ahead ahead(int b, int steps) const {
+        if (b >= nk + nv) return Ahead();
+        if (b < nk) {
+            const int t = b * SCORE_BLOCK;
+            return Ahead(k_at(t), (size_t)k_cache_positions(std::min(SCORE_BLOCK, n - t)) * a.D * 2, steps);
+        }
+        return Ahead(v_at(b - nk), (size_t)(v_to(b - nk) - v_from(b - nk)) * a.D * 2, steps);
+    }
+    void start() const {
+        for (int b = 1; b < AHEAD_BLOCKS; b++) ahead(b, 1).all();
+    }
+};
+
 // The work buffer beside the scores, per thread: either block as floats.
 constexpr int ATT_BUF_ROWS = SCORE_BLOCK > VALUE_BLOCK ? SCORE_BLOCK : VALUE_BLOCK;
 

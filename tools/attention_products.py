@@ -64,9 +64,7 @@ def main(argv=None) -> int:
     if not ws:
         raise SystemExit(f"the corpus has {len(ids)} tokens, fewer than one window of {a.window}")
     pool = Pool()
-    runs = [m for m in native.consts().attention
-            if m in ("f32", "bf16") or int(native.lib().attention_mode(native.lib().active_path(),
-                                                                        native.consts().attention[m], 128)) >= 0]
+    runs = ("f32", "bf16", "amx") if native.cpu()["kernels"]["attention"] == "amx" else ("f32", "bf16")
     engines = {m: Engine(engine_file(a.model), pool=pool, max_context=a.window, attention=m) for m in runs}
     r = compare(engines, ws)
     print(f"{a.model}: {len(ws)} windows of {a.window} tokens ({r['predictions']} predictions)")
