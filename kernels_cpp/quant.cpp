@@ -131,12 +131,14 @@ static int find_unquantizable(const float* x) {
 static float act_scale(float amax, int32_t* e23) {
     *e23 = 0;
     if (amax == 0.f) return 0.f;
-    int ex;
-    std::frexp(amax, &ex);                                // amax = m * 2^ex, 0.5 <= m < 1
-    int e = std::ldexp(amax, 7 - ex) <= 127.f ? ex - 7 : ex - 6;
+    // From the bits, not frexp and ldexp, whose calls cost more than the block's arithmetic:
+    // amax = m * 2^(E - 126) with 0.5 <= m < 1, and m * 2^7 <= 127 exactly when the stored
+    // mantissa is at most 63 * 2^17. A subnormal amax always takes the smallest exponent.
+    const uint32_t b = f32_bits(amax), E = b >> 23;
+    int e = E == 0 ? ACT_EXP_MIN : (int)E - 126 - ((b & 0x7fffff) <= (63u << 17) ? 7 : 6);
     e = e < ACT_EXP_MIN ? ACT_EXP_MIN : e;
     *e23 = e * (1 << 23);
-    return std::ldexp(1.f, e);
+    return f32_from((uint32_t)(e + 127) << 23);
 }
 
 // Each returns the index of the first value it cannot quantize (find_unquantizable), or -1.
@@ -191,10 +193,10 @@ static int quantize_act_avx2(const float* x, int8_t* q, float* d, int32_t* s, in
         *s = 0;
         return -1;
     }
-    const __m256 vs = _mm256_set1_ps(sc), lim = _mm256_set1_ps(127.f);
+    const __m256 inv = _mm256_set1_ps(1.f / sc), lim = _mm256_set1_ps(127.f);   // x / sc exactly: sc is 2^e
     __m256i qi[4];
     for (int j = 0; j < 4; j++) {
-        __m256 r = round_away256(_mm256_div_ps(v[j], vs));
+        __m256 r = round_away256(_mm256_mul_ps(v[j], inv));
         r = _mm256_max_ps(_mm256_min_ps(r, lim), _mm256_sub_ps(_mm256_setzero_ps(), lim));
         qi[j] = _mm256_cvtps_epi32(r);
     }
@@ -227,11 +229,12 @@ static int quantize_act_avx512(const float* x, int8_t* q, float* d, int32_t* s, 
         *s = 0;
         return -1;
     }
-    const __m512 vs = _mm512_set1_ps(sc), half = _mm512_set1_ps(0.5f), lim = _mm512_set1_ps(127.f);
+    // x / sc exactly: sc is 2^e, its reciprocal 2^-e a normal float (ACT_EXP_MIN..ACT_EXP_MAX)
+    const __m512 inv = _mm512_set1_ps(1.f / sc), half = _mm512_set1_ps(0.5f), lim = _mm512_set1_ps(127.f);
     __m512i qi[2];
     const __m512 vv[2] = {v0, v1};
     for (int j = 0; j < 2; j++) {
-        const __m512 v = _mm512_div_ps(vv[j], vs);
+        const __m512 v = _mm512_mul_ps(vv[j], inv);
         const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
         const __mmask16 big = _mm512_cmp_ps_mask(_mm512_abs_ps(_mm512_sub_ps(v, t)), half, _CMP_GE_OQ);
         const __m512 step = _mm512_or_ps(_mm512_set1_ps(1.f), _mm512_and_ps(v, _mm512_set1_ps(-0.f)));

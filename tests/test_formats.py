@@ -142,6 +142,23 @@ def test_activation_scales_are_the_least_powers_of_two(rng, ns):
             assert g.tobytes() == w.tobytes(), path
 
 
+def test_activation_scales_at_every_exponent_and_mantissa_edge():
+    """The engine reads a block's exponent from amax's bits; numpy's frexp and ldexp define it.
+    Every float exponent up to the largest scale, at the mantissas around 127 * 2^e."""
+    edge = 63 << 17                                             # m * 2^7 <= 127 up to here
+    mant = np.array([0, 1, edge - 1, edge, edge + 1, (1 << 23) - 1], np.uint32)
+    bits = (np.arange(0, 127 + 120, dtype=np.uint32)[:, None] << 23 | mant).ravel()
+    amax = bits.view(np.float32)
+    amax = amax[(amax > 0) & (amax <= np.float32(127 * 2.0**112))]
+    x = np.zeros((amax.size, 32), np.float32)
+    x[:, 3] = amax
+    x[:, 7] = -amax / 3
+    want = formats.quantize_acts(x)
+    for path in native.supported_paths():
+        for g, w in zip(kernels.Acts(x, path).blocks(), want):
+            assert g.tobytes() == w.tobytes(), path
+
+
 @pytest.mark.parametrize("path", native.supported_paths())
 def test_activation_past_the_largest_scale_rejected(path):
     x = np.ones((2, 64), np.float32)
