@@ -276,6 +276,9 @@ int bench_matmul_slices(const PackedMat& W, int slice_tiles, const QActs& A, flo
 enum Arch : uint32_t { ARCH_QWEN3 = 1, ARCH_QWEN2 = 2, ARCH_LLAMA = 3 };
 constexpr uint32_t MODEL_FILE_VERSION = 2;
 
+// The widest head a file may declare: a K row's conversion takes a buffer of this size.
+constexpr int MAX_HEAD_DIM = 1024;
+
 struct FileHeader {                 // 256 bytes at offset 0, little endian
     char magic[8];                  // "LABMODEL"
     uint32_t version;               // MODEL_FILE_VERSION
@@ -343,9 +346,12 @@ enum EngineStatus : int {
 enum LogitsMode : int { LOGITS_NONE = 0, LOGITS_LAST = 1, LOGITS_ALL = 2 };
 
 // The parts of a forward pass, timed when profiling is on (`lab bench decode --stages`).
-// SERIAL: what one thread does between pool calls (embedding, norms, RoPE, the KV cache
-// write, residual adds); QUANTIZE: the activations' quantization before a matmul (SWIGLU
-// includes the down projection's, done by the threads that compute it).
+// SERIAL: what thread 0 does alone between pool calls (the embedding, the last residual add,
+// and RoPE and the KV cache write where attention tasks split a head's tokens); QUANTIZE: a
+// matmul's input rows, token by token (the residual add, RMSNorm and quantization; on the
+// pool at k >= 2). ATTENTION includes each task's RoPE, KV cache write and the quantization
+// of its outputs for the o projection, where a task holds every token of its head; SWIGLU
+// includes the down projection's quantization, done by the threads that compute it.
 enum Stage : int {
     STAGE_SERIAL = 0, STAGE_QUANTIZE, STAGE_QKV, STAGE_ATTENTION, STAGE_O, STAGE_GATE_UP,
     STAGE_SWIGLU, STAGE_DOWN, STAGE_OUTPUT, N_STAGES

@@ -416,7 +416,6 @@ struct Model::Impl {
     std::unique_ptr<Buffer> kbuf, vbuf;
     uint16_t* kcache() const { return (uint16_t*)kbuf->data(); }
     uint16_t* vcache() const { return (uint16_t*)vbuf->data(); }
-    std::vector<uint16_t> khalf;       // one K row in fp16, on its way into the blocked cache
     std::vector<float> cos_t, sin_t;
     std::vector<float> x, xn, qkv, att, gu, hb, tmp, logits_tmp;
     std::vector<float> scratch;        // per thread: scores [att_rows][ctx] + ATT_BUF_ROWS K or V rows
@@ -447,7 +446,9 @@ struct Model::Impl {
     bool bind_trim();
     void allocate();
     int ffn_hidden(int k, bool quantize, ThreadPool* pool, int path);
-    void attention(int layer, int k, int pos, ThreadPool* pool, int path);
+    int rows_in(const float* add, const float* w, bool quantize, int k, ThreadPool* pool, int path);
+    int attention(int layer, int k, int pos, bool quantize_out, ThreadPool* pool, int path);
+    void prep_head(int layer, int kvh, int j, int pos, int path);
     void store_kv(int layer, int kvh, int p, const float* k, const float* v, int path);
     int chunk(const int32_t* tok, int k, int pos, float* logits, int mode, float* hidden, int hidden_stride,
               ThreadPool* pool, int path);
@@ -622,7 +623,6 @@ void Model::Impl::allocate() {
         if (!(*b)->data()) throw std::bad_alloc();
         std::memset((*b)->data(), 0, cache * sizeof(uint16_t));
     }
-    khalf.resize(h.head_dim);
     const int half = h.head_dim / 2;
     cos_t.resize((size_t)max_context * half);
     sin_t.resize((size_t)max_context * half);
@@ -748,19 +748,64 @@ void attention_tasks(ThreadPool* pool, int KV, int k, int per, float* scratch, s
     });
 }
 
-void Model::Impl::attention(int layer, int k, int pos, ThreadPool* pool, int path) {
+// A layer's attention, with the work around it on the threads that need it. Where each task
+// holds every token of its KV head, it prepares those tokens' rows itself (prep_head), so
+// that the other thread reads no K, V or query rows across cores and thread 0 does not
+// prepare them all alone; otherwise thread 0 prepares them first. With quantize_out, each task
+// quantizes its own outputs into acts for the o projection, which then reads them from there.
+int Model::Impl::attention(int layer, int k, int pos, bool quantize_out, ThreadPool* pool, int path) {
     const int D = h.head_dim, KV = h.num_kv_heads, group = h.num_heads / KV;
     const float scale = (float)std::pow((double)D, -0.5);
     const size_t per_thread = att_scratch_floats(att_rows, max_ctx, D);
     const AttendFn attend = attend_for(path, D, att_mode);
     const int per = attention_per(k, group, KV, pool ? pool->size() : 1, att_rows);
+    const bool whole = per == k;
+    if (!whole)
+        for (int j = 0; j < k; j++)
+            for (int kvh = 0; kvh < KV; kvh++) prep_head(layer, kvh, j, pos, path);
+    lap(STAGE_SERIAL);
+    if (quantize_out && acts.shape(k, q_dim) != Q_OK) return E_NONFINITE;
+    const int64_t nb = q_dim / QK, task_blocks = group * D / QK;
+    std::atomic<bool> bad{false};
     attention_tasks(pool, KV, k, per, scratch.data(), per_thread, [&](int kvh, int j0, int n, float* scores) {
+        if (whole)
+            for (int j = 0; j < k; j++) prep_head(layer, kvh, j, pos, path);
         const size_t base = (((size_t)layer * KV + kvh) * cache_ctx) * D;
         const Queries a{qkv.data() + (size_t)j0 * qkv_rows + (size_t)kvh * group * D, (size_t)qkv_rows,
                         att.data() + (size_t)j0 * q_dim + (size_t)kvh * group * D, (size_t)q_dim,
                         group, n, pos + j0 + 1, D, att_sink, att_window};
         attend(a, kcache() + base, vcache() + base, scale, scores, att_buffer(scores, att_rows, max_ctx));
+        for (int j = j0; quantize_out && j < j0 + n; j++) {
+            int64_t at = 0;
+            const int64_t b0 = j * nb + kvh * task_blocks;
+            if (acts.quantize_blocks(att.data(), b0, b0 + task_blocks, path, &at) != Q_OK) bad = true;
+        }
     });
+    return bad ? E_NONFINITE : E_OK;
+}
+
+// Token j's qkv row, KV head kvh's share: the bias, the norms and rotations of the head's
+// query heads and its key head, then its K and V rows into the cache at position pos + j.
+void Model::Impl::prep_head(int layer, int kvh, int j, int pos, int path) {
+    const Layer& L = layers[layer];
+    const int D = h.head_dim, half = D / 2, group = h.num_heads / h.num_kv_heads, p = pos + j;
+    const int q0 = kvh * group * D, k0 = q_dim + kvh * D, v0 = q_dim + kv_dim + kvh * D;
+    float* row = &qkv[(size_t)j * qkv_rows];
+    if (L.qkv_bias)
+        for (const auto& [at, n] : {std::pair{q0, group * D}, {k0, D}, {v0, D}})
+            for (int i = at; i < at + n; i++) row[i] += L.qkv_bias[i];
+    const float* c = &cos_t[(size_t)p * half];
+    const float* s = &sin_t[(size_t)p * half];
+    for (int hd = 0; hd <= group; hd++) {          // the query heads, then the key head
+        float* x0 = row + (hd < group ? q0 + hd * D : k0);
+        if (L.q_norm) rms_norm(x0, hd < group ? L.q_norm : L.k_norm, D, (float)h.rms_eps, x0, path);
+        for (int i = 0; i < half; i++) {
+            const float a = x0[i], b = x0[i + half];
+            x0[i] = a * c[i] + (-b) * s[i];
+            x0[i + half] = b * c[i] + a * s[i];
+        }
+    }
+    store_kv(layer, kvh, p, row + k0, row + v0, path);
 }
 
 // Position p's K and V rows of one KV head into the cache, as the path's attention reads them.
@@ -773,7 +818,8 @@ void Model::Impl::store_kv(int layer, int kvh, int p, const float* k, const floa
         for (int i = 0; i < D; i++) V[v_pair_at(p, i, D)] = bf16_bits(v[i]);
         return;
     }
-    f32_to_f16_row(k, D, khalf.data(), path);
+    uint16_t khalf[MAX_HEAD_DIM];        // the K row in fp16, on its way into the blocked cache
+    f32_to_f16_row(k, D, khalf, path);
     for (int i = 0; i < D; i++) K[k_at(p, i, D)] = khalf[i];
     f32_to_f16_row(v, D, V + (size_t)p * D, path);
 }
@@ -801,47 +847,60 @@ int Model::Impl::ffn_hidden(int k, bool quantize, ThreadPool* pool, int path) {
     return bad ? E_NONFINITE : E_OK;
 }
 
+// A matmul's input, token by token: x_j += add_j (unless add is null), xn_j = RMSNorm(x_j)
+// and, with `quantize`, xn_j's blocks into acts. At k >= 2 the tokens split over the pool in
+// fixed halves, so each thread keeps its own rows of x in its cache from layer to layer and
+// thread 0 no longer norms and quantizes every token alone; one token stays on thread 0.
+int Model::Impl::rows_in(const float* add, const float* w, bool quantize, int k, ThreadPool* pool, int path) {
+    const int H = h.hidden_size;
+    lap(STAGE_SERIAL);
+    if (quantize && acts.shape(k, H) != Q_OK) return E_NONFINITE;
+    std::atomic<bool> bad{false};
+    const auto rows = [&](int b, int e, int) {
+        for (int j = b; j < e; j++) {
+            float* xj = &x[(size_t)j * H];
+            if (add)
+                for (int i = 0; i < H; i++) xj[i] += add[(size_t)j * H + i];
+            rms_norm(xj, w, H, (float)h.rms_eps, &xn[(size_t)j * H], path);
+            int64_t at = 0;
+            if (quantize && acts.quantize_blocks(xn.data(), (int64_t)j * H / QK, (int64_t)(j + 1) * H / QK, path,
+                                                 &at) != Q_OK)
+                bad = true;
+        }
+    };
+    if (k == 1) rows(0, 1, 0);
+    else for_range(pool, k, 0, [&](int b, int e, int t) { rows(b, e, t); });
+    lap(STAGE_QUANTIZE);
+    return bad ? E_NONFINITE : E_OK;
+}
+
 int Model::Impl::chunk(const int32_t* tok, int k, int pos, float* logits, int mode, float* hidden,
                        int hidden_stride, ThreadPool* pool, int path) {
-    const int H = h.hidden_size, I = h.intermediate_size, D = h.head_dim, half = D / 2;
+    const int H = h.hidden_size, I = h.intermediate_size, D = h.head_dim;
     const float eps = (float)h.rms_eps;
     if (profiling) lap_start = now();
     for (int j = 0; j < k; j++) embed_row(tok[j], &x[(size_t)j * H]);
+    const float* carry = nullptr;      // the last down projection's output, not yet added into x
     for (uint32_t l = 0; l < h.num_layers; l++) {
         const Layer& L = layers[l];
-        for (int j = 0; j < k; j++) rms_norm(&x[(size_t)j * H], L.attn_norm, H, eps, &xn[(size_t)j * H], path);
-        int rc = mm(L.qkv, xn.data(), k, qkv.data(), qkv_rows, pool, path, STAGE_QKV);
-        if (rc) return rc;
-        for (int j = 0; j < k; j++) {
-            float* row = &qkv[(size_t)j * qkv_rows];
-            if (L.qkv_bias) for (int i = 0; i < qkv_rows; i++) row[i] += L.qkv_bias[i];
-            const int p = pos + j;
-            const float* c = &cos_t[(size_t)p * half];
-            const float* s = &sin_t[(size_t)p * half];
-            for (int hd = 0; hd < (int)(h.num_heads + h.num_kv_heads); hd++) {   // q heads, then k heads
-                float* x0 = row + hd * D;
-                if (L.q_norm) rms_norm(x0, hd < (int)h.num_heads ? L.q_norm : L.k_norm, D, eps, x0, path);
-                for (int i = 0; i < half; i++) {
-                    const float a = x0[i], b = x0[i + half];
-                    x0[i] = a * c[i] + (-b) * s[i];
-                    x0[i + half] = b * c[i] + a * s[i];
-                }
-            }
-            for (uint32_t kvh = 0; kvh < h.num_kv_heads; kvh++)
-                store_kv(l, kvh, p, row + q_dim + kvh * D, row + q_dim + kv_dim + kvh * D, path);
-        }
-        lap(STAGE_SERIAL);
-        attention(l, k, pos, pool, path);
+        const bool q_in = L.qkv.fmt != FMT_F32, gu_in = L.gate_up.fmt != FMT_F32;
+        int rc = rows_in(carry, L.attn_norm, q_in, k, pool, path);
+        if (rc || (rc = mm(L.qkv, xn.data(), k, qkv.data(), qkv_rows, pool, path, STAGE_QKV, q_in))) return rc;
+        const bool att_acts = L.o.fmt != FMT_F32 && (h.num_heads / h.num_kv_heads * D) % QK == 0;
+        if ((rc = attention(l, k, pos, att_acts, pool, path))) return rc;
         lap(STAGE_ATTENTION);
-        if ((rc = mm(L.o, att.data(), k, tmp.data(), H, pool, path, STAGE_O))) return rc;
-        for (size_t i = 0; i < (size_t)k * H; i++) x[i] += tmp[i];
-        for (int j = 0; j < k; j++) rms_norm(&x[(size_t)j * H], L.ffn_norm, H, eps, &xn[(size_t)j * H], path);
-        if ((rc = mm(L.gate_up, xn.data(), k, gu.data(), 2 * I, pool, path, STAGE_GATE_UP))) return rc;
+        if ((rc = mm(L.o, att.data(), k, tmp.data(), H, pool, path, STAGE_O, att_acts))) return rc;
+        if ((rc = rows_in(tmp.data(), L.ffn_norm, gu_in, k, pool, path))) return rc;
+        if ((rc = mm(L.gate_up, xn.data(), k, gu.data(), 2 * I, pool, path, STAGE_GATE_UP, gu_in))) return rc;
         const bool quantized = L.down.fmt != FMT_F32;
         if ((rc = ffn_hidden(k, quantized, pool, path))) return rc;
         lap(STAGE_SWIGLU);
         if ((rc = mm(L.down, hb.data(), k, tmp.data(), H, pool, path, STAGE_DOWN, quantized))) return rc;
-        for (size_t i = 0; i < (size_t)k * H; i++) x[i] += tmp[i];
+        carry = tmp.data();
+        if (hidden || l + 1 == h.num_layers) {        // the layer's output is wanted whole here
+            for (size_t i = 0; i < (size_t)k * H; i++) x[i] += tmp[i];
+            carry = nullptr;
+        }
         if (hidden)
             for (int j = 0; j < k; j++)
                 std::memcpy(hidden + (size_t)l * hidden_stride * H + (size_t)j * H, &x[(size_t)j * H], H * sizeof(float));

@@ -43,7 +43,7 @@ bool ModelFile::check_header(const FileHeader& h) {
         {"vocab_size", h.vocab_size, 1, 1u << 24},        {"hidden_size", h.hidden_size, QK, 1u << 16},
         {"intermediate_size", h.intermediate_size, 1, 1u << 20}, {"num_layers", h.num_layers, 1, 1024},
         {"num_heads", h.num_heads, 1, 1024},              {"num_kv_heads", h.num_kv_heads, 1, h.num_heads},
-        {"head_dim", h.head_dim, 8, 1024},                {"tokenizer_size", h.tokenizer_size, 1, h.vocab_size},
+        {"head_dim", h.head_dim, 8, MAX_HEAD_DIM},        {"tokenizer_size", h.tokenizer_size, 1, h.vocab_size},
         {"tie_embeddings", h.tie_embeddings, 0, 1},       {"qk_norm", h.qk_norm, 0, 1},
         {"qkv_bias", h.qkv_bias, 0, 1},                   {"n_eos", h.n_eos, 0, 4},
     };
