@@ -230,6 +230,13 @@ def test_every_split_gives_the_same_logits(files, pool):
     for split in (0, 1, 8, "guided"):
         e.set_chunk(split)
         assert e.forward(toks, 0).tobytes() == want.tobytes(), split
+    from lab import tune
+    before = tune.current()
+    try:                                           # guided shares down to one tile even here
+        tune.apply({**before, "guided_from_bytes": 0, "guided_min_bytes": 1})
+        assert e.forward(toks, 0).tobytes() == want.tobytes()
+    finally:
+        tune.apply(before)
     for bad in (-8, "fast"):
         with pytest.raises(EngineError, match="split"):
             e.set_chunk(bad)
