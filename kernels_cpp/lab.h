@@ -121,6 +121,10 @@ struct Tuning {
     // From this many tokens (0: never) a KV head's attention goes to two tasks of half the
     // tokens each, not one: more tasks than threads, which the pool then evens out.
     int att_split_k = 0;
+    // From this many tokens in a task (0: never), attention asks for its K and V into L2 rather
+    // than L1: more lines in flight where the stream binds, where L1 requests wait for the few
+    // buffers L1 has; a one-token task at a short context ran slower so (docs/tuning.md).
+    int att_kv_l2_k = 0;
 };
 Tuning default_tuning();                    // the above, with this CPU's default q4_single_k2
 Tuning tuning();                            // the values in force

@@ -142,8 +142,9 @@ void attend_scalar(const Queries& a, const uint16_t* K, const uint16_t* V, float
 class Ahead {
   public:
     Ahead() = default;
-    // `bytes` from `from`, spread over `steps` calls of step()
-    Ahead(const void* from, size_t bytes, int steps) : p_((const char*)from), end_(p_ + bytes) {
+    // `bytes` from `from`, spread over `steps` calls of step(); into L2 alone with `l2`
+    Ahead(const void* from, size_t bytes, int steps, bool l2 = false)
+        : p_((const char*)from), end_(p_ + bytes), l2_(l2) {
         const int lines = (int)((bytes + 63) / 64);
         every_ = steps > lines ? steps / lines : 1;
         per_ = lines > steps ? (lines + steps - 1) / steps : 1;
@@ -151,16 +152,21 @@ class Ahead {
     void step() {
         if (++n_ < every_ || p_ >= end_) return;
         n_ = 0;
-        for (int j = 0; j < per_ && p_ < end_; j++, p_ += 64) _mm_prefetch(p_, _MM_HINT_T0);
+        for (int j = 0; j < per_ && p_ < end_; j++, p_ += 64) line(p_);
     }
     void all() {                       // every line at once
-        for (; p_ < end_; p_ += 64) _mm_prefetch(p_, _MM_HINT_T0);
+        for (; p_ < end_; p_ += 64) line(p_);
     }
 
   private:
     const char* p_ = nullptr;
     const char* end_ = nullptr;
     int every_ = 1, per_ = 1, n_ = 0;
+    bool l2_ = false;
+    void line(const char* p) const {
+        if (l2_) _mm_prefetch(p, _MM_HINT_T2);
+        else _mm_prefetch(p, _MM_HINT_T0);
+    }
 };
 
 // Blocks of the KV stream a task fetches ahead of its arithmetic: one block ahead left a
@@ -188,10 +194,12 @@ struct KvBlocks {
     const Queries& a;
     const uint16_t *K, *V;
     int skip, n, hs, hb, nk, nv;
+    bool l2;                           // Tuning's att_kv_l2_k: this task's requests go into L2
     KvBlocks(const Queries& q, const uint16_t* k, const uint16_t* v)
         : a(q), K(k), V(v), skip(q.skip()), n(q.last() - skip), hs(skip ? q.sink : 0),
           hb((hs + VALUE_BLOCK - 1) / VALUE_BLOCK), nk((n + SCORE_BLOCK - 1) / SCORE_BLOCK),
-          nv(hb + (n - hs + VALUE_BLOCK - 1) / VALUE_BLOCK) {}
+          nv(hb + (n - hs + VALUE_BLOCK - 1) / VALUE_BLOCK),
+          l2(tuning().att_kv_l2_k && q.tokens >= tuning().att_kv_l2_k) {}
     int v_from(int j) const { return j < hb ? j * VALUE_BLOCK : hs + (j - hb) * VALUE_BLOCK; }
     int v_to(int j) const { return std::min(j < hb ? hs : n, v_from(j) + VALUE_BLOCK); }
     const uint16_t* k_at(int t0) const { return K + (size_t)a.at(t0, skip) * a.D; }   // a score tile's K
@@ -201,9 +209,9 @@ struct KvBlocks {
         if (b >= nk + nv) return Ahead();
         if (b < nk) {
             const int t = b * SCORE_BLOCK;
-            return Ahead(k_at(t), (size_t)k_cache_positions(std::min(SCORE_BLOCK, n - t)) * a.D * 2, steps);
+            return Ahead(k_at(t), (size_t)k_cache_positions(std::min(SCORE_BLOCK, n - t)) * a.D * 2, steps, l2);
         }
-        return Ahead(v_at(b - nk), (size_t)(v_to(b - nk) - v_from(b - nk)) * a.D * 2, steps);
+        return Ahead(v_at(b - nk), (size_t)(v_to(b - nk) - v_from(b - nk)) * a.D * 2, steps, l2);
     }
     void start() const {
         for (int b = 1; b < AHEAD_BLOCKS; b++) ahead(b, 1).all();

@@ -28,7 +28,7 @@ Tuning tuning() { return in_force(); }
 
 int set_tuning(const Tuning& t) {
     constexpr int FAR = 1 << 20;       // past any stream a prefetch could still serve
-    bool ok = t.guided_min_bytes > 0 && t.guided_from_bytes >= 0 && t.att_split_k >= 0;
+    bool ok = t.guided_min_bytes > 0 && t.guided_from_bytes >= 0 && t.att_split_k >= 0 && t.att_kv_l2_k >= 0;
     for (int d : {t.prefetch_k1, t.prefetch_k1_q8, t.prefetch_l1_k, t.prefetch_l2_k, t.prefetch_l1_k_q8,
                   t.prefetch_l2_k_q8})
         ok = ok && d >= 0 && d <= FAR;

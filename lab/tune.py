@@ -45,7 +45,7 @@ FLAGS = (*SINGLE, *MEM_ACC)      # the yes/no fields
 MULTI = {"q4": ("prefetch_l1_k", "prefetch_l2_k"), "q8": ("prefetch_l1_k_q8", "prefetch_l2_k_q8")}
 MULTI_STAGE = {"q4": "prefetch_k", "q8": "prefetch_k_q8"}
 FIELDS = ("prefetch_k1", "prefetch_k1_q8", *MULTI["q4"], *MULTI["q8"], *FLAGS, "guided_min_bytes",
-          "guided_from_bytes", "att_split_k")
+          "guided_from_bytes", "att_split_k", "att_kv_l2_k")
 MB = 1 << 20
 # What the tuner tries besides the default (which it always tries).
 PREFETCH_K1 = (0, 2048, 4096, 8192, 16384)   # per format; 0: the hardware prefetcher alone
@@ -58,6 +58,7 @@ SPLIT_SIZES = (1 * MB, 2 * MB, 4 * MB, 8 * MB)   # the matrix sizes the split th
 GUIDED_MIN = (32 << 10, 64 << 10, 192 << 10, 384 << 10)
 SHARE_SIZES = (8 * MB, 32 * MB)   # guided matrices the smallest share is judged on
 ATT_SPLIT_K = (0, 8)              # from k tokens a KV head's attention goes to two tasks (0: never)
+ATT_KV_L2_K = (0, 2)              # from k tokens in a task its K and V requests go into L2 (0: never)
 # The attention stage the split is judged on: an 8-token verification at context 2048 of
 # the 1.5B's heads (ATTENTION_SHAPE, 2 KV heads), its 28 layers' K and V from memory.
 ATT_STAGE = {"kv_heads": 2, "tokens": 8, "context": 2048, "layers": 28}
@@ -89,8 +90,9 @@ def moves(a: dict, b: dict, k: int) -> bool:
     diff = {f for f in FIELDS if a[f] != b[f]}
     if diff & {"guided_min_bytes", "guided_from_bytes"}:
         return True
-    if "att_split_k" in diff and k >= min(x["att_split_k"] for x in (a, b) if x["att_split_k"]):
-        return True
+    for f in ("att_split_k", "att_kv_l2_k"):          # attention's choices, from a token count on
+        if f in diff and k >= min(x[f] for x in (a, b) if x[f]):
+            return True
     for fmt, k1 in (("q4", "prefetch_k1"), ("q8", "prefetch_k1_q8")):
         if {f"{fmt}_single_k{k}", f"{fmt}_mem_acc_k{k}"} & diff:
             return True
@@ -139,6 +141,7 @@ def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
         "guided_from_bytes": {str(v): {"guided_from_bytes": v} for v in froms},
         "guided_min_bytes": {str(v): {"guided_min_bytes": v} for v in mins},
         "att_split_k": {str(v): {"att_split_k": v} for v in sorted({*ATT_SPLIT_K, base["att_split_k"]})},
+        "att_kv_l2_k": {str(v): {"att_kv_l2_k": v} for v in sorted({*ATT_KV_L2_K, base["att_kv_l2_k"]})},
     }
 
 
@@ -375,6 +378,7 @@ def _stage_samplers(b: _Bench) -> dict[str, Callable[[], list[float]]]:
     """What each other stage times: the kernels whose speed its values move (the single-token
     stages: _stream_times)."""
     return {**{stage: (lambda fmt=fmt: b.multi(fmt)) for fmt, stage in MULTI_STAGE.items()}, "att_split_k": b.attention,
+            "att_kv_l2_k": b.attention,
             **{f: (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for f, (fmt, k) in (SINGLE | MEM_ACC).items()
                if f not in ONE_THREAD}}
 

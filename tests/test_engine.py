@@ -111,15 +111,18 @@ def test_k_token_pass_equals_single_passes(files, scheme, path, attention):
 
 @pytest.mark.parametrize("path,attention", path_attention())
 def test_every_attention_split_keeps_every_bit(files, pool, path, attention):
-    """Whichever split the tuner picks (att_split_k), a k-token pass equals single passes: a
-    row's numbers do not depend on the rows beside it in its task."""
+    """Whichever split the tuner picks (att_split_k), and wherever the requests go (att_kv_l2_k),
+    a k-token pass equals single passes: a row's numbers do not depend on the rows beside it in
+    its task."""
     from lab import tune
     c = TINY["tiny-qwen3"]
     toks = prompts(c, 1, seed=6)[0] + list(range(40))
     e = Engine(files["tiny-qwen3"]["q4-q8out"], pool=pool, max_context=256, path=path, attention=attention)
     before = tune.current()
     try:
-        for sets in [*tune.candidates()["att_split_k"].values(), {"att_split_k": 2}]:
+        cands = tune.candidates()
+        for sets in [*cands["att_split_k"].values(), {"att_split_k": 2}, *cands["att_kv_l2_k"].values(),
+                     {"att_kv_l2_k": 1, "att_split_k": 2}]:
             tune.apply({**before, **sets})
             e.forward(toks[:8], 0, logits="none")
             singles = np.stack([e.forward([t], 8 + j, logits="last") for j, t in enumerate(toks[8:24])])

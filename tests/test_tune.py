@@ -314,6 +314,7 @@ def test_moves_says_which_passes_a_change_can_touch():
         (("q4_single_k3", True),): {3},
         (("guided_from_bytes", 1 << 20),): {1, 2, 3, 4, 8},
         (("att_split_k", 8),): {8},                              # attention's tasks from 8 tokens
+        (("att_kv_l2_k", 2),): {2, 3, 4, 8},                     # attention's requests from 2 tokens
         (): set(),
     }
     for changes, ks in cases.items():
