@@ -757,9 +757,9 @@ void attention_tasks(ThreadPool* pool, int KV, int k, int per, float* scratch, s
 }
 
 // A layer's attention, with the work around it on the threads that need it. Where each task
-// holds every token of its KV head, it prepares those tokens' rows itself (prep_head), so
-// that the other thread reads no K, V or query rows across cores and thread 0 does not
-// prepare them all alone; otherwise thread 0 prepares them first. With quantize_out, each task
+// holds every token of its KV head, it prepares those tokens' rows itself (prep_head): the
+// thread that reads a head's new K and V rows is the one that wrote them, and thread 0 no
+// longer prepares every head alone. Otherwise thread 0 prepares them first. With quantize_out, each task
 // quantizes its own outputs into acts for the o projection, which then reads them from there.
 int Model::Impl::attention(int layer, int k, int pos, bool quantize_out, ThreadPool* pool, int path) {
     const int D = h.head_dim, KV = h.num_kv_heads, group = h.num_heads / KV;

@@ -59,8 +59,8 @@ GUIDED_MIN = (32 << 10, 64 << 10, 192 << 10, 384 << 10)
 SHARE_SIZES = (8 * MB, 32 * MB)   # guided matrices the smallest share is judged on
 ATT_SPLIT_K = (0, 8)              # from k tokens a KV head's attention goes to two tasks (0: never)
 ATT_KV_L2_K = (0, 2)              # from k tokens in a task its K and V requests go into L2 (0: never)
-# The attention stage the split is judged on: an 8-token verification at context 2048 of
-# the 1.5B's heads (ATTENTION_SHAPE, 2 KV heads), its 28 layers' K and V from memory.
+# The attention stage both attention fields are judged on: an 8-token verification at context
+# 2048 of the 1.5B's heads (ATTENTION_SHAPE, 2 KV heads), its 28 layers' K and V from memory.
 ATT_STAGE = {"kv_heads": 2, "tokens": 8, "context": 2048, "layers": 28}
 MARGIN = 0.98           # a candidate replaces the default at a median paired time ratio this low,
                         # and only if it was faster in three rounds of four (upper quartile < 1)
