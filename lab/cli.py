@@ -357,6 +357,9 @@ def _print_decode(r: dict) -> None:
             mb = f"{x['bytes'] / 1e6:6.0f}" if x["bytes"] else f"{'':6s}"
             rate = f"{x['gbps']:6.1f} {100 * x['share_of_ceiling']:6.0f}" if x["bytes"] else ""
             print(f"{x['stage']:10s} {x['ms']:7.3f} {100 * x['part']:4.0f}% {mb} {rate}")
+        m = r["matrices"]
+        print(f"the matrices alone read {100 * m['share_of_ceiling']:.0f}% of the ceiling; the work between them "
+              f"takes {m['between_ms']:.2f} ms a pass ({100 * m['between_part']:.0f}%)")
 
 
 def _print_vk(r: dict) -> None:

@@ -40,7 +40,9 @@ def decode_bench(engine, context: int = 256, rounds: int = 7, reps: int = 5, sta
            "k": k, **_decode_rates(samples, engine.weight_bytes, k),
            "round_trip_ns": {"before": trip_before, "after": round_trip_ns(engine.pool)}}
     if stages:
-        out["stages"] = stage_records(per_round, engine.stage_bytes(), [np.median(r) for r in samples["read"]])
+        reads = [np.median(r) for r in samples["read"]]
+        out["stages"] = stage_records(per_round, engine.stage_bytes(), reads)
+        out["matrices"] = matrices_record(per_round, engine.stage_bytes(), reads)
     return out
 
 
@@ -70,6 +72,18 @@ def stage_records(per_round: list[dict], nbytes: dict, read_gbps: list[float]) -
             rec["share_of_ceiling"] = float(np.median([nbytes[name] / s / 1e9 / g for s, g in zip(secs, read_gbps)]))
         out.append(rec)
     return out
+
+
+def matrices_record(per_round: list[dict], nbytes: dict, read_gbps: list[float]) -> dict:
+    """The pass in two parts: its matrices alone, their bytes over their stages' time (what the
+    pass would read were the work between them free), and that work's ms and part of the pass."""
+    streaming = [name for name in per_round[0] if nbytes[name]]
+    total = sum(nbytes[name] for name in streaming)
+    mats = [sum(r[name] for name in streaming) for r in per_round]
+    between = [sum(r.values()) - m for r, m in zip(per_round, mats)]
+    return {"share_of_ceiling": float(np.median([total / m / 1e9 / g for m, g in zip(mats, read_gbps)])),
+            "between_ms": float(np.median(between)) * 1e3,
+            "between_part": float(np.median([b / (b + m) for b, m in zip(between, mats)]))}
 
 
 SPLITS = {"static": 0, "dynamic": 8, "guided": "guided"}   # names -> Engine.set_chunk

@@ -82,6 +82,10 @@ def test_decode_stages_json(tmp_path):
     for name in ("qkv", "o", "gate_up", "down", "output"):
         assert st[name]["ms"] > 0 and st[name]["gbps"] > 0 and st[name]["share_of_ceiling"] > 0, name
     assert "gbps" not in st["attention"]
+    m, shares = r["matrices"], [st[n]["share_of_ceiling"] for n in ("qkv", "o", "gate_up", "down", "output")]
+    assert 0.9 * min(shares) <= m["share_of_ceiling"] <= 1.1 * max(shares)     # their bytes over their time
+    between = sum(x["ms"] for x in st.values() if not x["bytes"])
+    assert m["between_ms"] == pytest.approx(between, rel=0.5) and 0 < m["between_part"] < 1
     trip = r["round_trip_ns"]                   # where the threads sit: none to time on one CPU
     if r["threads"] > 1:
         assert all(0 < trip[w] < 1e6 for w in ("before", "after"))
