@@ -199,7 +199,11 @@ struct KvBlocks {
         : a(q), K(k), V(v), skip(q.skip()), n(q.last() - skip), hs(skip ? q.sink : 0),
           hb((hs + VALUE_BLOCK - 1) / VALUE_BLOCK), nk((n + SCORE_BLOCK - 1) / SCORE_BLOCK),
           nv(hb + (n - hs + VALUE_BLOCK - 1) / VALUE_BLOCK),
-          l2(tuning().att_kv_l2_k && q.tokens >= tuning().att_kv_l2_k) {}
+          l2(into_l2(q.tokens)) {}
+    static bool into_l2(int tokens) {
+        const int from = tuning().att_kv_l2_k;
+        return from && tokens >= from;
+    }
     int v_from(int j) const { return j < hb ? j * VALUE_BLOCK : hs + (j - hb) * VALUE_BLOCK; }
     int v_to(int j) const { return std::min(j < hb ? hs : n, v_from(j) + VALUE_BLOCK); }
     const uint16_t* k_at(int t0) const { return K + (size_t)a.at(t0, skip) * a.D; }   // a score tile's K
@@ -426,7 +430,7 @@ struct Model::Impl {
     uint16_t* vcache() const { return (uint16_t*)vbuf->data(); }
     std::vector<float> cos_t, sin_t;
     std::vector<float> x, xn, qkv, att, gu, hb, tmp, logits_tmp;
-    std::vector<float> scratch;        // per thread: scores [att_rows][ctx] + ATT_BUF_ROWS K or V rows
+    std::vector<float> scratch;        // per thread: att_scratch_floats, a task's scores and work buffer
     QActs acts;
     bool loaded = false;
     int split_tiles = SPLIT_GUIDED;
@@ -759,8 +763,8 @@ void attention_tasks(ThreadPool* pool, int KV, int k, int per, float* scratch, s
 // A layer's attention, with the work around it on the threads that need it. Where each task
 // holds every token of its KV head, it prepares those tokens' rows itself (prep_head): the
 // thread that reads a head's new K and V rows is the one that wrote them, and thread 0 no
-// longer prepares every head alone. Otherwise thread 0 prepares them first. With quantize_out, each task
-// quantizes its own outputs into acts for the o projection, which then reads them from there.
+// longer prepares every head alone. Otherwise thread 0 prepares them first. With
+// quantize_out, each task quantizes its own outputs into acts for the o projection.
 int Model::Impl::attention(int layer, int k, int pos, bool quantize_out, ThreadPool* pool, int path) {
     const int D = h.head_dim, KV = h.num_kv_heads, group = h.num_heads / KV;
     const float scale = (float)std::pow((double)D, -0.5);
@@ -991,7 +995,8 @@ int bench_attention(int D, int group, int tokens, int n0, int path, int reps, do
     return 0;
 }
 
-// The attention stage of a pass of `tokens` tokens on the pool, as Model::attention runs it:
+// The attention stage of a pass of `tokens` tokens on the pool, its tasks as Model::attention
+// runs them but without their rows' preparation and the outputs' quantization:
 // `layers` layers of KV heads, each of n0 + tokens - 1 cached positions (over the caches'
 // size, from memory), `tokens` query tokens of `group` heads a KV head.
 int bench_attention_pool(int D, int group, int KV, int tokens, int n0, int layers, int path, ThreadPool* pool,

@@ -40,9 +40,9 @@ def decode_bench(engine, context: int = 256, rounds: int = 7, reps: int = 5, sta
            "k": k, **_decode_rates(samples, engine.weight_bytes, k),
            "round_trip_ns": {"before": trip_before, "after": round_trip_ns(engine.pool)}}
     if stages:
-        reads = [np.median(r) for r in samples["read"]]
-        out["stages"] = stage_records(per_round, engine.stage_bytes(), reads)
-        out["matrices"] = matrices_record(per_round, engine.stage_bytes(), reads)
+        reads, nbytes = [np.median(r) for r in samples["read"]], engine.stage_bytes()
+        out["stages"] = stage_records(per_round, nbytes, reads)
+        out["matrices"] = matrices_record(per_round, nbytes, reads)
     return out
 
 

@@ -3,8 +3,8 @@ tracks its twin; a k-token pass equals k single-token passes bit for bit; greedy
 speculative output equals plain greedy output bit for bit; the acceptance rule samples
 the target's distribution; bad requests are Python exceptions."""
 import ctypes
-import dataclasses
 import ctypes.util
+import dataclasses
 import math
 
 import numpy as np
