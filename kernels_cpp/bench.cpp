@@ -347,18 +347,6 @@ double bench_dot_peak(int path, int64_t n) {
     return best;
 }
 
-int bench_matmul(const PackedMat& W, const QActs& A, float* y, int path, ThreadPool* pool, int chunk,
-                 int reps, double* secs) {
-    PinScope pin(pool);
-    int rc = matmul(W, A, y, W.rows, path, pool, chunk);   // warm-up, and the argument check
-    for (int r = 0; rc == MM_OK && r < reps; r++) {
-        const double t0 = now();
-        matmul(W, A, y, W.rows, path, pool, chunk);
-        secs[r] = now() - t0;
-    }
-    return rc;
-}
-
 int bench_forward(Model& m, const int32_t* tokens, int k, int pos, int mode, ThreadPool* pool,
                   int path, int reps, double* secs, float* logits) {
     PinScope pin(pool);

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace lab {
@@ -267,10 +268,13 @@ enum MatmulStatus : int {
 int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path,
            ThreadPool* pool, int chunk);
 
-// For lab/tune.py: times `reps` walks over W (whole tiles, no padding rows), one matmul call per
-// consecutive slice of slice_tiles tiles as a model's layers make them -> seconds per walk.
-int bench_matmul_slices(const PackedMat& W, int slice_tiles, const QActs& A, float* y, int path,
-                        ThreadPool* pool, int chunk, int reps, double* secs);
+// Times `reps` walks, each over the next walk_tiles tiles of W in one matmul call per
+// consecutive slice of slice_tiles tiles, as a model's layers make them; the walks cycle
+// through W, so a W several walks long, past the last-level cache, streams from memory every
+// time. After one warm-up walk -> seconds per walk. walk = slice = W.tiles: W whole each time
+// (padding rows too); otherwise W has whole tiles and whole walks, and a bad shape is MM_SHAPE.
+int bench_matmul(const PackedMat& W, int walk_tiles, int slice_tiles, const QActs& A, float* y, int path,
+                 ThreadPool* pool, int chunk, int reps, double* secs);
 
 // ----------------------------------------------------------------------------
 // The engine's weights file (written by lab/models/export.py, described in
@@ -554,17 +558,30 @@ void bench_triad(float* a, const float* b, const float* c, int64_t n, ThreadPool
 const char* dot_variant(int path, int v);
 double bench_dot_variant(int path, int v, int64_t n);
 double bench_dot_peak(int path, int64_t n);
-int bench_matmul(const PackedMat& W, const QActs& A, float* y, int path, ThreadPool* pool,
-                 int chunk, int reps, double* secs);
 void fill_random(uint8_t* buf, int64_t n, uint64_t seed);
 // Attention alone on one thread, as one task of a pass does it: `tokens` query tokens of
 // `group` heads each (head_dim D) against one KV head with n0 positions cached before the
 // first token. Seconds per call, one per repeat, after a warm-up; 1 for a bad argument.
 int bench_attention(int D, int group, int tokens, int n0, int path, int reps, double* secs, int mode = ATT_DEFAULT);
-// The attention stage of a pass on the pool: `layers` layers of KV heads, each task as the
-// engine splits them (attention_per), K and V over the caches' size.
-int bench_attention_pool(int D, int group, int KV, int tokens, int n0, int layers, int path, ThreadPool* pool,
-                         int reps, double* secs, int mode = ATT_DEFAULT);
+// The attention stage of a pass on the pool, for lab/tune.py: `layers` layers of KV heads, each
+// of n0 + tokens - 1 cached positions, `tokens` query tokens of `group` heads a KV head, its
+// tasks as Model::attention splits and runs them but without their rows' preparation and the
+// outputs' quantization. The caches, made once, fill cycle_bytes (at least `layers` layers');
+// each stage timed takes the next `layers` of them, so that past the last-level cache K and V
+// come from memory, as in a pass, where the weights stream between a layer's reads and the next's.
+class AttentionStage {
+public:
+    // 0, or 1 for a bad argument (the stage then times nothing)
+    int init(int D, int group, int KV, int tokens, int n0, int layers, int64_t cycle_bytes, int path,
+             int mode = ATT_DEFAULT);
+    // Seconds per stage, one per repeat, after a warm-up stage; 1 before a good init.
+    int time(ThreadPool* pool, int reps, double* secs);
+private:
+    int D_ = 0, group_ = 0, KV_ = 0, tokens_ = 0, n0_ = 0, layers_ = 0, cycle_ = 0, path_ = 0, mode_ = 0, next_ = 0;
+    size_t head_ = 0;                           // one KV head's cache, in values
+    std::unique_ptr<Buffer> K_, V_;
+    std::vector<float> q_, out_;
+};
 // Times `reps` forward passes of k tokens at pos (after one warm-up); logits: [k][vocab].
 int bench_forward(Model& m, const int32_t* tokens, int k, int pos, int mode, ThreadPool* pool,
                   int path, int reps, double* secs, float* logits);

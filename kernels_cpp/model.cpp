@@ -995,44 +995,52 @@ int bench_attention(int D, int group, int tokens, int n0, int path, int reps, do
     return 0;
 }
 
-// The attention stage of a pass of `tokens` tokens on the pool, its tasks as Model::attention
-// runs them but without their rows' preparation and the outputs' quantization:
-// `layers` layers of KV heads, each of n0 + tokens - 1 cached positions (over the caches'
-// size, from memory), `tokens` query tokens of `group` heads a KV head.
-int bench_attention_pool(int D, int group, int KV, int tokens, int n0, int layers, int path, ThreadPool* pool,
-                         int reps, double* secs, int mode) {
+int AttentionStage::init(int D, int group, int KV, int tokens, int n0, int layers, int64_t cycle_bytes, int path,
+                         int mode) {
     if (D < 16 || D % 16 || group < 1 || KV < 1 || tokens < 1 || tokens > MAX_K || n0 < 1 || layers < 1 ||
-        reps < 1 || path < 0 || path >= PATH_COUNT || !path_supported(path) || attention_mode(path, mode, D) < 0)
+        cycle_bytes < 0 || path < 0 || path >= PATH_COUNT || !path_supported(path) || attention_mode(path, mode, D) < 0)
         return 1;
-    const int n = n0 + tokens - 1, rows = att_task_rows(group);
-    const size_t head = (size_t)k_cache_positions(n) * D, heads = (size_t)layers * KV;
-    Buffer KB((int64_t)(2 * head * heads)), VB((int64_t)(2 * head * heads));     // on 2 MB pages, as the engine's
-    uint16_t *K = (uint16_t*)KB.data(), *V = (uint16_t*)VB.data();
+    D_ = D, group_ = group, KV_ = KV, tokens_ = tokens, n0_ = n0, layers_ = layers, path_ = path, mode_ = mode;
+    head_ = (size_t)k_cache_positions(n0 + tokens - 1) * D;
+    cycle_ = (int)std::max<int64_t>(layers, (cycle_bytes + 4 * head_ * KV - 1) / (4 * head_ * KV));   // fp16 K and V
+    const size_t heads = (size_t)cycle_ * KV;
+    K_ = std::make_unique<Buffer>((int64_t)(2 * head_ * heads));       // on 2 MB pages, as the engine's
+    V_ = std::make_unique<Buffer>((int64_t)(2 * head_ * heads));
     Rng rng(1);
-    for (uint16_t* c : {K, V}) random_cache(c, head * heads, path, D, mode, rng);
-    const size_t stride = (size_t)KV * group * D, per_thread = att_scratch_floats(rows, n, D);
-    std::vector<float> q((size_t)tokens * stride), out((size_t)tokens * stride);
-    std::vector<float> scratch((size_t)(pool ? pool->size() : 1) * per_thread + 16);
-    for (auto& x : q) x = uniform(rng);
-    const AttendFn attend = attend_for(path, D, mode);
-    const float scale = 1.0f / std::sqrt((float)D);
-    const int per = attention_per(tokens, group, KV, pool ? pool->size() : 1, rows);
+    for (auto* c : {K_.get(), V_.get()}) random_cache((uint16_t*)c->data(), head_ * heads, path, D, mode, rng);
+    q_.resize((size_t)tokens * KV * group * D);
+    out_.resize(q_.size());
+    for (auto& x : q_) x = uniform(rng);
+    return 0;
+}
+
+int AttentionStage::time(ThreadPool* pool, int reps, double* secs) {
+    if (!cycle_ || reps < 1) return 1;
+    const int n = n0_ + tokens_ - 1, rows = att_task_rows(group_), threads = pool ? pool->size() : 1;
+    const size_t stride = (size_t)KV_ * group_ * D_, per_thread = att_scratch_floats(rows, n, D_);
+    std::vector<float> scratch((size_t)threads * per_thread + 16);
+    const AttendFn attend = attend_for(path_, D_, mode_);
+    const float scale = 1.0f / std::sqrt((float)D_);
+    const int per = attention_per(tokens_, group_, KV_, threads, rows);
+    const auto* K = (const uint16_t*)K_->data();
+    const auto* V = (const uint16_t*)V_->data();
     PinScope pin(pool);
-    const auto stage = [&] {
-        for (int l = 0; l < layers; l++)
-            attention_tasks(pool, KV, tokens, per, scratch.data(), per_thread, [&](int kvh, int j0, int m, float* sc) {
-                const Queries a{q.data() + (size_t)j0 * stride + (size_t)kvh * group * D, stride,
-                                out.data() + (size_t)j0 * stride + (size_t)kvh * group * D, stride, group, m,
-                                n0 + j0, D};
-                const size_t at = ((size_t)l * KV + kvh) * head;
+    const auto stage = [&](int first) {
+        for (int l = first; l < first + layers_; l++)
+            attention_tasks(pool, KV_, tokens_, per, scratch.data(), per_thread, [&](int kvh, int j0, int m, float* sc) {
+                const Queries a{q_.data() + (size_t)j0 * stride + (size_t)kvh * group_ * D_, stride,
+                                out_.data() + (size_t)j0 * stride + (size_t)kvh * group_ * D_, stride, group_, m,
+                                n0_ + j0, D_};
+                const size_t at = ((size_t)(l % cycle_) * KV_ + kvh) * head_;
                 attend(a, K + at, V + at, scale, sc, att_buffer(sc, rows, n));
             });
     };
-    stage();                                                   // warm-up: pages, caches
+    stage(next_ + cycle_ - layers_);            // warm-up (scratch, the pool): the layers the last stage read
     for (int r = 0; r < reps; r++) {
         const double t0 = now();
-        stage();
+        stage(next_);
         secs[r] = now() - t0;
+        next_ = (next_ + layers_) % cycle_;
     }
     return 0;
 }

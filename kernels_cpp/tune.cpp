@@ -37,24 +37,28 @@ int set_tuning(const Tuning& t) {
     return 0;
 }
 
-int bench_matmul_slices(const PackedMat& W, int slice_tiles, const QActs& A, float* y, int path,
-                        ThreadPool* pool, int chunk, int reps, double* secs) {
-    if (slice_tiles < 1 || slice_tiles > W.tiles || W.rows != W.tiles * TILE) return MM_SHAPE;
-    const int nb = W.cols / QK, slices = W.tiles / slice_tiles;
+int bench_matmul(const PackedMat& W, int walk_tiles, int slice_tiles, const QActs& A, float* y, int path,
+                 ThreadPool* pool, int chunk, int reps, double* secs) {
+    if (walk_tiles == W.tiles && slice_tiles == W.tiles) walk_tiles = slice_tiles = 0;   // W whole, padding rows too
+    else if (slice_tiles < 1 || walk_tiles < slice_tiles || walk_tiles > W.tiles || W.rows != W.tiles * TILE)
+        return MM_SHAPE;
+    const int slices = walk_tiles ? walk_tiles / slice_tiles : 1, walks = walk_tiles ? W.tiles / walk_tiles : 1;
+    const int nb = W.cols / QK;
     PinScope pin(pool);
-    auto walk = [&] {
+    auto walk = [&](int w) {
         int rc = MM_OK;
         for (int s = 0; s < slices && rc == MM_OK; s++) {
-            const TileOffsets at = tile_offsets(W.fmt, nb, (int64_t)s * slice_tiles, 0);
-            const PackedMat part{W.fmt, slice_tiles * TILE, W.cols, slice_tiles, W.d + at.d, W.q + at.q};
+            const TileOffsets at = tile_offsets(W.fmt, nb, ((int64_t)w * walk_tiles + s * slice_tiles), 0);
+            const PackedMat part = walk_tiles ? PackedMat{W.fmt, slice_tiles * TILE, W.cols, slice_tiles, W.d + at.d,
+                                                          W.q + at.q} : W;
             rc = matmul(part, A, y, part.rows, path, pool, chunk);
         }
         return rc;
     };
-    int rc = MM_OK;
+    int rc = walk(walks - 1);              // warm-up (and the argument check): the walk read longest before the first
     for (int r = 0; rc == MM_OK && r < reps; r++) {
         const double t0 = now();
-        rc = walk();
+        rc = walk(r % walks);
         secs[r] = now() - t0;
     }
     return rc;

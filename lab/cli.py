@@ -712,7 +712,8 @@ def _attention_flag(p) -> None:
 def _add_bandwidth(benches) -> None:
     p = _bench_command(benches, "bandwidth", "read, copy and triad bandwidth against thread count: the read ceiling",
                        cmd_bench_bandwidth, threads="list")
-    p.add_argument("--mb", type=_COUNT, default=512, metavar="N", help="buffer size in MB (default 512)")
+    p.add_argument("--mb", type=_COUNT, default=512, metavar="N",
+                   help="buffer size in MB, at least: raised to twice the last-level cache (default 512)")
 
 
 def _add_kernels(benches) -> None:
@@ -797,7 +798,8 @@ def _add_tune(sub) -> None:
                                    "build; the engine applies them on load (LAB_TUNE=0: the defaults).")
     t.add_argument("--json", action="store_true", help="print machine-readable results")
     t.add_argument("--mb", type=_COUNT, default=256, metavar="N",
-                   help="each matrix's size in MB, past the last-level cache (default 256)")
+                   help="MB of each matrix timed at a time, cycling through matrices twice the last-level "
+                        "cache, so they stream from memory (default 256)")
     g = t.add_argument_group("--ab: the cached tuning against the defaults on whole passes, alternating; "
                              "exits 1 when the tuned values are slower on any figure")
     g.add_argument("--ab", action="store_true", help="compare instead of tuning")

@@ -10,13 +10,14 @@ import numpy as np
 from . import kernels, native
 from .ceilings import best_variant, dot_peak, dot_sampler
 from .machine import machine
-from .protocol import (attention_samples, flat, interleave, matmul_samples, paired_ratio, read_buffer, read_sampler,
-                       summary)
+from .protocol import (attention_samples, flat, interleave, matmul_samples, paired_ratio, past_llc, read_buffer,
+                       read_sampler, summary)
 
-# Working sets: DRAM is far past the 32 MB last-level cache; L2 fits one core's 1 MB L2.
+# Working sets: DRAM's, cycled through copies past the last-level cache (past_llc), streams from
+# memory; L2's fits one core's 1 MB L2.
 DRAM_SHAPE = {"q4": (57344, 8192), "q8": (30720, 8192)}     # about 264 and 267 MB
 L2_SHAPE = {"q4": (256, 4096), "q8": (128, 4096)}            # about 590 and 557 KB
-QUICK_DRAM_SHAPE = {"q4": (8192, 8192), "q8": (4096, 8192)}  # ~38 MB: still past the LLC
+QUICK_DRAM_SHAPE = {"q4": (8192, 8192), "q8": (4096, 8192)}  # ~38 MB a walk
 
 
 def kernel_records(fmt: str, shape, ks, pool: kernels.Pool, working_set: str, path: int,
@@ -27,11 +28,13 @@ def kernel_records(fmt: str, shape, ks, pool: kernels.Pool, working_set: str, pa
     `peak_gmacs`, or with `peak` (a `dot_sampler` riding in the same rounds) against the
     fastest of it and `peak_gmacs`, so a clock that rose during the run raises the peak too."""
     rows, cols = shape
-    W = kernels.pack(kernels.random_qtensor(fmt, rows, cols, seed=rows))
+    nbytes = int(native.lib().packed_nbytes(native.consts().formats[fmt], rows, cols))
+    copies = -(-past_llc(nbytes) // nbytes) if working_set == "dram" else 1     # cycled, they stream from memory
+    W = kernels.pack(kernels.random_qtensor(fmt, rows * copies, cols, seed=rows))
     rng = np.random.default_rng(0)
     acts = {k: kernels.Acts(rng.standard_normal((k, cols), dtype=np.float32), native.PATHS[path]) for k in ks}
     code = kernels.split_code(chunk)
-    cands = {k: (lambda a=acts[k]: [W.nbytes / s / 1e9 for s in matmul_samples(W, a, pool, path, code, reps)])
+    cands = {k: (lambda a=acts[k]: [nbytes / s / 1e9 for s in matmul_samples(W, a, pool, path, code, reps, rows)])
              for k in ks}
     if reader:
         cands["read"] = reader
@@ -40,8 +43,8 @@ def kernel_records(fmt: str, shape, ks, pool: kernels.Pool, working_set: str, pa
     samples = interleave(cands, rounds)
     top = max([peak_gmacs or 0.0, *flat(samples["peak"])]) if peak else peak_gmacs
     head = {"threads": pool.threads, "working_set": working_set, "rows": rows, "cols": cols,
-            "weight_bytes": W.nbytes, "path": native.PATHS[path]}
-    return [{"kernel": fmt, "k": k, **head, **_rates(samples, k, W.nbytes, rows * cols * k, top, pool.threads)}
+            "weight_bytes": nbytes, "path": native.PATHS[path]}
+    return [{"kernel": fmt, "k": k, **head, **_rates(samples, k, nbytes, rows * cols * k, top, pool.threads)}
             for k in ks]
 
 
@@ -97,7 +100,7 @@ def kernels_bench(ks=(1, 2, 4, 8, 16), fmts=("q4", "q8"), threads: int | None = 
     peak = dot_peak(native.PATHS[p], n=4_000_000 if quick else 32_000_000, reps=5 if quick else 7)
     rounds, reps = (3, 2) if quick else (9, 3)
     pool_all = kernels.Pool(n)
-    buf, _owner = read_buffer((64 if quick else 512) << 20)
+    buf, _owner = read_buffer(past_llc((64 if quick else 512) << 20))
     reader = read_sampler(buf, pool_all)
     reader()                                              # warm-up: page faults
     records = []

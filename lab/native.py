@@ -131,6 +131,7 @@ def consts() -> SimpleNamespace:
     ns = lib()
     return SimpleNamespace(
         max_k=int(ns.MAX_K),
+        tile=int(ns.TILE),
         formats={"f32": int(ns.FMT_F32), "q8": int(ns.FMT_Q8), "q4": int(ns.FMT_Q4), "i32": int(ns.FMT_I32)},
         logits={"none": int(ns.LOGITS_NONE), "last": int(ns.LOGITS_LAST), "all": int(ns.LOGITS_ALL)},
         paths=_path_names(ns),

@@ -6,6 +6,8 @@ interquartile range; measure the ceiling in the same run as what is compared wit
 from __future__ import annotations
 
 import argparse
+import contextlib
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -80,6 +82,24 @@ def paired_ratio(a: list[list[float]], b: list[list[float]]) -> dict:
 # The read ceiling, sampled beside what is compared with it
 # ----------------------------------------------------------------------------
 
+def llc_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """The largest cache Linux reports for CPU 0, the last level's size (0 when it reports none)."""
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    sizes = [0]
+    for f in caches.glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError, KeyError):
+            text = f.read_text().strip()
+            sizes.append(int(text[:-1]) * units[text[-1]] if text[-1] in units else int(text))
+    return max(sizes)
+
+
+def past_llc(nbytes: int) -> int:
+    """A working set of at least nbytes that streams from memory when cycled: twice the
+    last-level cache (a cycle a little past it still hits some: under a 480 MB L3 the tuner's
+    4-bit matrix read 7% faster in 512 MB than in 1 GB, docs/tuning.md)."""
+    return max(nbytes, 2 * llc_bytes())
+
+
 def read_buffer(nbytes: int):
     """A buffer allocated like the kernels' weights (2 MB pages where allowed), filled with
     random bytes -> (array, owner); keep the owner alive as long as the array."""
@@ -114,12 +134,18 @@ def read_sampler(buf: np.ndarray, pool: kernels.Pool, reps: int = 3) -> Callable
 # Timed calls: C++ times each repeat, so no Python sits inside a timing
 # ----------------------------------------------------------------------------
 
-def matmul_samples(W, acts, pool, path, chunk, reps) -> list[float]:
-    """Seconds for each of reps products of the packed W with acts."""
-    ns = native.lib()
-    y = np.empty((acts.k, W.rows), np.float32)
+def matmul_samples(W, acts, pool, path, chunk, reps, walk_rows: int | None = None,
+                   slice_rows: int | None = None) -> list[float]:
+    """Seconds for each of reps products of the packed W with acts: of W whole, or, with
+    walk_rows, of its next walk_rows rows each time, cycling through W (a W past the last-level
+    cache then streams from memory each time), in calls of slice_rows rows (as a model's layers
+    make them; default one call a walk)."""
+    ns, tile, tiles = native.lib(), native.consts().tile, W.view().tiles
+    walk = walk_rows // tile if walk_rows else tiles
+    part = slice_rows // tile if slice_rows else walk
+    y = np.empty((acts.k, W.rows if part == tiles else part * tile), np.float32)
     secs = np.zeros(reps)
-    rc = ns.bench_matmul(W.view(), acts._acts, y, path, kernels._pool_ptr(pool), chunk, reps, secs)
+    rc = ns.bench_matmul(W.view(), walk, part, acts._acts, y, path, kernels._pool_ptr(pool), chunk, reps, secs)
     if rc:
         raise RuntimeError(f"bench_matmul failed with code {rc}")
     return list(secs)

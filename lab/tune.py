@@ -34,7 +34,7 @@ import numpy as np
 from . import kernels, native
 from .files import write_text_atomic
 from .kernel_bench import ATTENTION_SHAPE
-from .protocol import interleave, matmul_samples, read_buffer, read_sampler, round_trip_ns, summary
+from .protocol import interleave, matmul_samples, past_llc, read_buffer, read_sampler, round_trip_ns, summary
 from .slowcore import SlowCore
 
 SINGLE_K = (1, 2, 3, 4)  # the token counts whose prefetch scheme is chosen, per format
@@ -60,7 +60,8 @@ SHARE_SIZES = (8 * MB, 32 * MB)   # guided matrices the smallest share is judged
 ATT_SPLIT_K = (0, 8)              # from k tokens a KV head's attention goes to two tasks (0: never)
 ATT_KV_L2_K = (0, 2)              # from k tokens in a task its K and V requests go into L2 (0: never)
 # The attention stage both attention fields are judged on: an 8-token verification at context
-# 2048 of the 1.5B's heads (ATTENTION_SHAPE, 2 KV heads), its 28 layers' K and V from memory.
+# 2048 of the 1.5B's heads (ATTENTION_SHAPE, 2 KV heads), its 28 layers' K and V from memory
+# (cycled past the last-level cache, as the weights streaming between layers evict them in a pass).
 ATT_STAGE = {"kv_heads": 2, "tokens": 8, "context": 2048, "layers": 28}
 MARGIN = 0.98           # a candidate replaces the default at a median paired time ratio this low,
                         # and only if it was faster in three rounds of four (upper quartile < 1)
@@ -268,39 +269,46 @@ def lines(d: dict | None = None) -> list[str]:
 # ----------------------------------------------------------------------------
 
 class _Bench:
-    """The tuner's working set: a 4-bit and an 8-bit matrix of `mb` MB each, activations for
-    the k it times, and a pool of every CPU this process may use."""
+    """The tuner's working set: a 4-bit and an 8-bit matrix, each timed `mb` MB at a time and
+    cycled through so that it streams from memory (`past_llc`), activations for the k it
+    times, and a pool of every CPU this process may use."""
 
     def __init__(self, mb: int, reps: int, threads: int | None):
         ns = native.lib()
-        self.mb, self._read = mb, None
+        self.mb, self._read, self._stage = mb, None, None
         self.path = int(ns.active_path())
         self.path_name = str(ns.path_name(self.path))
         self.pool = self.matmul_pool = kernels.Pool(threads)
         self.one = kernels.Pool(1) if self.pool.threads > 1 else self.pool
         self.reps = reps
         self.guided = int(ns.SPLIT_GUIDED)
-        self.W, self.acts = {}, {}
+        self.W, self.walk, self.acts = {}, {}, {}
         rng = np.random.default_rng(0)
+        tile = native.consts().tile
         for fmt in ("q4", "q8"):
-            row = int(ns.packed_nbytes(native.consts().formats[fmt], 16, COLS)) // 16
-            rows = max(16, (mb * MB // row) // 16 * 16)
+            tile_bytes = int(ns.packed_nbytes(native.consts().formats[fmt], tile, COLS))
+            self.walk[fmt] = tile * max(1, mb * MB // tile_bytes)           # rows timed at a time
+            rows = self.walk[fmt] * -(-past_llc(mb * MB) // (self.walk[fmt] // tile * tile_bytes))
             self.W[fmt] = kernels.pack(kernels.random_qtensor(fmt, rows, COLS, seed=rows))
         for k in sorted({1, *MULTI_K, *SINGLE_K}):
             x = rng.standard_normal((k, COLS), dtype=np.float32)
             self.acts[k] = kernels.Acts(x, self.path_name)
 
     def matmul(self, fmt: str, k: int) -> list[float]:
-        """Seconds per pass over the whole matrix, split the engine's way over `matmul_pool`."""
-        return matmul_samples(self.W[fmt], self.acts[k], self.matmul_pool, self.path, self.guided, self.reps)
+        """Seconds per pass over `mb` MB of the matrix, split the engine's way over `matmul_pool`."""
+        return matmul_samples(self.W[fmt], self.acts[k], self.matmul_pool, self.path, self.guided, self.reps,
+                              self.walk[fmt])
 
     def attention(self) -> list[float]:
-        """Seconds per attention stage of a verification pass (ATT_STAGE) on the pool."""
+        """Seconds per attention stage of a verification pass (ATT_STAGE) on the pool, its caches
+        past the last-level cache; made on first use (other users of the bench never read them)."""
         ns, secs, a = native.lib(), np.zeros(self.reps), ATT_STAGE
-        rc = ns.bench_attention_pool(ATTENTION_SHAPE["head_dim"], ATTENTION_SHAPE["group"], a["kv_heads"], a["tokens"],
-                                     a["context"], a["layers"], self.path, self.pool._pool, self.reps, secs)
-        if rc:
-            raise RuntimeError(f"bench_attention_pool failed with code {rc}")
+        if self._stage is None:
+            self._stage = ns.AttentionStage()
+            if self._stage.init(ATTENTION_SHAPE["head_dim"], ATTENTION_SHAPE["group"], a["kv_heads"], a["tokens"],
+                                a["context"], a["layers"], past_llc(0), self.path):
+                raise RuntimeError(f"the attention stage refused {a} on path {self.path_name}")
+        self._stage.time(self.pool._pool, self.reps, secs)
         return list(secs)
 
     @contextlib.contextmanager
@@ -313,10 +321,10 @@ class _Bench:
             self.matmul_pool = self.pool
 
     def read_gbps(self) -> float:
-        """The read ceiling now, over a buffer as large as a matrix: which bandwidth state this is.
-        The buffer is made on first use: other users of the bench never read it."""
+        """The read ceiling now, over a buffer past the last-level cache: which bandwidth state
+        this is. The buffer is made on first use: other users of the bench never read it."""
         if self._read is None:
-            buf, owner = read_buffer(self.mb * MB)
+            buf, owner = read_buffer(past_llc(self.mb * MB))
             self._read = (read_sampler(buf, self.pool), buf, owner)
         return float(np.median(self._read[0]()))
 
@@ -325,19 +333,13 @@ class _Bench:
         return [sum(t) for t in zip(*(self.matmul(fmt, k) for k in MULTI_K))]
 
     def slices(self, size: int, chunk: int) -> list[float]:
-        """Seconds per walk over the 4-bit matrix in calls on consecutive slices of `size` bytes
-        (as a model's layers call it), each slice split by `chunk`."""
-        ns = native.lib()
-        W = self.W["q4"]
-        tile = int(ns.packed_nbytes(native.consts().formats["q4"], 16, COLS))
-        per = int(min(max(1, round(size / tile)), W.rows // 16))
-        y = np.empty((1, per * 16), np.float32)
-        secs = np.zeros(self.reps)
-        rc = ns.bench_matmul_slices(W.view(), per, self.acts[1]._acts, y, self.path, self.pool._pool, chunk,
-                                    self.reps, secs)
-        if rc:
-            raise RuntimeError(f"bench_matmul_slices failed with code {rc}")
-        return list(secs)
+        """Seconds per walk over `mb` MB of the 4-bit matrix in calls on consecutive slices of
+        `size` bytes (as a model's layers call it), each slice split by `chunk`."""
+        tile = native.consts().tile
+        tile_bytes = int(native.lib().packed_nbytes(native.consts().formats["q4"], tile, COLS))
+        per = int(min(max(1, round(size / tile_bytes)), self.walk["q4"] // tile))
+        return matmul_samples(self.W["q4"], self.acts[1], self.pool, self.path, chunk, self.reps, self.walk["q4"],
+                              per * tile)
 
 
 def _per_round(cands: dict[str, Callable[[], list[float]]], rounds: int, bar) -> dict[str, list[float]]:
@@ -481,7 +483,8 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
     candidate's median time ratio to the default; the values in force are left as they were.
     The candidate with the lowest median ratio, if MARGIN or lower, is timed against the default
     once more, alone, for AGAIN times the rounds, and kept only if it clearly wins there.
-    mb: each matrix's size (past the last-level cache: the weights stream from memory)."""
+    mb: the MB of each matrix timed at a time (cycled through a matrix past the last-level cache,
+    so the weights stream from memory)."""
     from tqdm import tqdm
     before = current()                          # builds the library first, if it must
     start = time.perf_counter()

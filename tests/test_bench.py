@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from lab import ceilings, kernel_bench, native, protocol, speedups, steps
+from lab import ceilings, kernel_bench, kernels, native, protocol, speedups, steps
 from lab.kernels import Pool
 
 ROOT = native.SOURCE_DIR.parent
@@ -61,9 +61,43 @@ def test_attention_bench_runs_every_path_and_refuses_bad_shapes(path):
     for bad in ((60, 7, 5, 100), (64, 0, 5, 100), (64, 7, 0, 100), (64, 7, 99, 100), (64, 7, 5, 0)):
         assert ns.bench_attention(*bad, pid, 2, secs) == 1, bad
     pool = Pool(min(2, len(__import__("os").sched_getaffinity(0))))
-    assert ns.bench_attention_pool(64, 7, 2, 5, 100, 3, pid, pool._pool, 2, secs) == 0 and (secs > 0).all()
-    for bad in ((64, 7, 0, 5, 100, 3), (64, 7, 2, 5, 100, 0), (60, 7, 2, 5, 100, 3)):
-        assert ns.bench_attention_pool(*bad, pid, pool._pool, 2, secs) == 1, bad
+    for cycle in (0, 1 << 20):                          # 3 layers, or the 12 that fill 1 MB
+        stage = ns.AttentionStage()
+        assert stage.init(64, 7, 2, 5, 100, 3, cycle, pid) == 0
+        for _ in range(3):                              # the stages go on round the cycle
+            secs[:] = 0
+            assert stage.time(pool._pool, 2, secs) == 0 and (secs > 0).all()
+    for bad in ((64, 7, 0, 5, 100, 3, 0), (64, 7, 2, 5, 100, 0, 0), (60, 7, 2, 5, 100, 3, 0), (64, 7, 2, 5, 100, 3, -1)):
+        stage = ns.AttentionStage()
+        assert stage.init(*bad, pid) == 1 and stage.time(pool._pool, 2, secs) == 1, bad
+
+
+def test_the_last_level_cache_is_read_from_linux(tmp_path):
+    for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "480M"), ("index9", "junk")):
+        (tmp_path / index).mkdir()
+        (tmp_path / index / "size").write_text(size + "\n")
+    assert protocol.llc_bytes(tmp_path) == 480 << 20
+    assert protocol.llc_bytes(tmp_path / "absent") == 0          # none reported: the sizes asked for stand
+    assert protocol.past_llc(1 << 30) >= 1 << 30 and protocol.past_llc(0) == 2 * protocol.llc_bytes()
+
+
+def test_matmul_walks_cycle_through_the_matrix_slice_by_slice():
+    """Walk r multiplies W's r-th walk of rows (cycling), slice by slice: the last slice's
+    product is left in y, equal to the whole matrix's rows there."""
+    ns, tile, path = native.lib(), native.consts().tile, native.path_id(None)
+    W = kernels.random_qtensor("q4", 6 * tile, 256, seed=3)
+    acts = kernels.Acts(np.random.default_rng(0).standard_normal((2, 256), dtype=np.float32))
+    whole = kernels.matmul(W, acts)
+    P, pool, secs = kernels.pack(W), Pool(1), np.zeros(4)
+    for reps, last in ((1, 1), (2, 3), (4, 1)):                  # 3 walks of 2 slices: walk 0, 1, then 0 again
+        y = np.zeros((2, tile), np.float32)
+        assert ns.bench_matmul(P.view(), 2, 1, acts._acts, y, path, pool._pool, 0, reps, secs) == 0
+        np.testing.assert_array_equal(y, whole[:, last * tile:(last + 1) * tile])
+    assert len(protocol.matmul_samples(P, acts, pool, path, 0, 3, 2 * tile, tile)) == 3
+    y = np.zeros((2, 6 * tile), np.float32)
+    for walk, part in ((7, 1), (2, 3), (2, 0), (4, 2)):     # past W, a slice past its walk, none; 4 of 6 is fine
+        assert ns.bench_matmul(P.view(), walk, part, acts._acts, y, path, pool._pool, 0, 1, secs) == \
+            (0 if walk == 4 else int(ns.MM_SHAPE)), (walk, part)
 
 
 def test_decode_stages_json(tmp_path):

@@ -7,7 +7,7 @@ import re
 import numpy as np
 import pytest
 
-from lab import cli, kernels, native, tune, tune_ab
+from lab import cli, kernels, native, protocol, tune, tune_ab
 
 from .conftest import simd_paths
 
@@ -23,6 +23,13 @@ def restore():
     yield
     tune.apply(before)
     tune._state.update(state)
+
+
+@pytest.fixture(autouse=True)
+def small_cache(monkeypatch):
+    """The tuner's working sets cycle past a last-level cache of 4 MB here, whatever this CPU's
+    is: the cycling is tested, and a test need not fill twice a big L3."""
+    monkeypatch.setattr(protocol, "llc_bytes", lambda: 4 << 20)
 
 
 @pytest.fixture
