@@ -287,9 +287,10 @@ class _Bench:
         tile = native.consts().tile
         for fmt in ("q4", "q8"):
             tile_bytes = int(ns.packed_nbytes(native.consts().formats[fmt], tile, COLS))
-            self.walk[fmt] = tile * max(1, mb * MB // tile_bytes)           # rows timed at a time
-            rows = self.walk[fmt] * -(-past_llc(mb * MB) // (self.walk[fmt] // tile * tile_bytes))
-            self.W[fmt] = kernels.pack(kernels.random_qtensor(fmt, rows, COLS, seed=rows))
+            tiles = max(1, mb * MB // tile_bytes)                   # timed at a time
+            walks = -(-past_llc(mb * MB) // (tiles * tile_bytes))   # cycled, they stream from memory
+            self.walk[fmt] = tiles * tile
+            self.W[fmt] = kernels.pack(kernels.random_qtensor(fmt, walks * tiles * tile, COLS, seed=tiles))
         for k in sorted({1, *MULTI_K, *SINGLE_K}):
             x = rng.standard_normal((k, COLS), dtype=np.float32)
             self.acts[k] = kernels.Acts(x, self.path_name)
