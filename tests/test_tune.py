@@ -322,6 +322,7 @@ def test_moves_says_which_passes_a_change_can_touch():
         (("guided_from_bytes", 1 << 20),): {1, 2, 3, 4, 8},
         (("att_split_k", 8),): {8},                              # attention's tasks from 8 tokens
         (("att_kv_l2_k", 2),): {2, 3, 4, 8},                     # attention's requests from 2 tokens
+        (("att_kv_l2_k", 1),): {1, 2, 3, 4, 8},                  # and from one
         (): set(),
     }
     for changes, ks in cases.items():
@@ -396,7 +397,7 @@ def test_a_single_token_distance_is_judged_at_every_token_count_it_moves(restore
     default = tune._label(cands, base)
     other = next(n for n in cands if n != default)
     b = tune._Bench(1, 1, 1)
-    monkeypatch.setattr(b, "matmul", lambda fmt, k: [float(k)])        # its "seconds" say which k ran
+    monkeypatch.setattr(b, "matmul", lambda fmt, k, call: [float(k)])        # its "seconds" say which k ran
 
     def per_round(fns, rounds, bar):
         return {n: [(0.95 if fn()[0] == 1 else 1.1) if n == other else 1.0] * rounds for n, fn in fns.items()}
@@ -407,3 +408,14 @@ def test_a_single_token_distance_is_judged_at_every_token_count_it_moves(restore
     assert times[other] == [pytest.approx(1.1)] * 3
     assert tune._pick(times, default)[0] == default
     assert tune._bar_rounds("prefetch_k1_q8", 3, 1, base) == 6
+
+
+def test_a_one_token_stream_is_timed_in_its_format_s_calls(restore, monkeypatch):
+    """The 4-bit body's stream in calls the size of a layer's large matrices, where a scheme's
+    start in each call counts; the 8-bit output layer's in one call."""
+    b, seen = tune._Bench(1, 1, 1), []
+    monkeypatch.setattr(b, "matmul", lambda fmt, k, call: seen.append((fmt, call)) or [1.0])
+    monkeypatch.setattr(tune, "_per_round", lambda fns, rounds, bar: {n: fn() * rounds for n, fn in fns.items()})
+    for stage in ("prefetch_k1", "q4_single_k1", "prefetch_k1_q8", "q8_single_k1"):
+        tune._times(stage, tune.candidates()[stage], b, tune.defaults(), 1, None)
+    assert {fmt: call for fmt, call in seen} == {"q4": tune.STREAM_CALL["q4"], "q8": None}
