@@ -22,10 +22,11 @@ struct alignas(64) Slot {
 };
 
 // A pass must not be optimised away: every path folds what it read into a checksum.
-uint64_t read_scalar(const uint8_t* p, int64_t n) {
+uint64_t read_scalar(const uint8_t* p, int64_t n, int64_t ahead) {
     uint64_t a = 0, b = 0;
     for (int64_t i = 0; i + 16 <= n; i += 16) {
         uint64_t x, y;
+        if (ahead && i % 64 == 0) __builtin_prefetch(p + i + ahead, 0, 3);
         std::memcpy(&x, p + i, 8);
         std::memcpy(&y, p + i + 8, 8);
         a ^= x;
@@ -36,9 +37,13 @@ uint64_t read_scalar(const uint8_t* p, int64_t n) {
 
 #pragma GCC push_options
 #pragma GCC target("avx2")
-uint64_t read_avx2(const uint8_t* p, int64_t n) {
+uint64_t read_avx2(const uint8_t* p, int64_t n, int64_t ahead) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t i = 0; i + 128 <= n; i += 128) {
+        if (ahead) {                    // each line `ahead` bytes before it is read, into L1
+            __builtin_prefetch(p + i + ahead, 0, 3);
+            __builtin_prefetch(p + i + ahead + 64, 0, 3);
+        }
         a0 = _mm256_xor_si256(a0, _mm256_load_si256((const __m256i*)(p + i)));
         a1 = _mm256_xor_si256(a1, _mm256_load_si256((const __m256i*)(p + i + 32)));
         a2 = _mm256_xor_si256(a2, _mm256_load_si256((const __m256i*)(p + i + 64)));
@@ -51,9 +56,11 @@ uint64_t read_avx2(const uint8_t* p, int64_t n) {
 
 #pragma GCC push_options
 #pragma GCC target("avx2,avx512f")
-uint64_t read_avx512(const uint8_t* p, int64_t n) {
+uint64_t read_avx512(const uint8_t* p, int64_t n, int64_t ahead) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t i = 0; i + 256 <= n; i += 256) {
+        if (ahead)
+            for (int j = 0; j < 256; j += 64) __builtin_prefetch(p + i + ahead + j, 0, 3);
         a0 = _mm512_xor_si512(a0, _mm512_load_si512(p + i));
         a1 = _mm512_xor_si512(a1, _mm512_load_si512(p + i + 64));
         a2 = _mm512_xor_si512(a2, _mm512_load_si512(p + i + 128));
@@ -64,7 +71,7 @@ uint64_t read_avx512(const uint8_t* p, int64_t n) {
 }
 #pragma GCC pop_options
 
-using ReadFn = uint64_t (*)(const uint8_t*, int64_t);
+using ReadFn = uint64_t (*)(const uint8_t*, int64_t, int64_t);
 
 ReadFn read_fn() {
     const CpuInfo c = cpu_info();
@@ -88,13 +95,13 @@ void timed_passes(ThreadPool* pool, int reps, double* secs, F&& pass) {
 
 }  // namespace
 
-void bench_read(const uint8_t* buf, int64_t bytes, ThreadPool* pool, int reps, double* secs) {
+void bench_read(const uint8_t* buf, int64_t bytes, ThreadPool* pool, int reps, double* secs, int64_t ahead) {
     const ReadFn fn = read_fn();
     const int n = pool ? pool->size() : 1;
     Slot slots[64];
     timed_passes(pool, reps, secs, [&](int part, int tid) {
         const int64_t b = bytes * part / n / 256 * 256, e = bytes * (part + 1) / n / 256 * 256;
-        slots[tid % 64].v ^= fn(buf + b, e - b);
+        slots[tid % 64].v ^= fn(buf + b, e - b, ahead);
     });
     uint64_t x = 0;
     for (auto& s : slots) x ^= s.v;

@@ -544,7 +544,9 @@ private:
 // Benchmarks (timings in seconds, one per repeat)
 // ----------------------------------------------------------------------------
 
-void bench_read(const uint8_t* buf, int64_t bytes, ThreadPool* pool, int reps, double* secs);
+// A read pass over buf split over the pool; ahead > 0: each line is asked for into L1 that many
+// bytes before it is read (lab/protocol.py takes the faster loop as the read ceiling).
+void bench_read(const uint8_t* buf, int64_t bytes, ThreadPool* pool, int reps, double* secs, int64_t ahead = 0);
 // Nanoseconds a cache line takes to go from the pool's thread 0 to thread 1 and back, over n
 // round trips (0 for a pool of one): how far apart their CPUs sit.
 double bench_round_trip(ThreadPool* pool, int n);
