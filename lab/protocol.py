@@ -93,11 +93,23 @@ def llc_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
     return max(sizes)
 
 
+def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
+    """The memory Linux says is available for new work (None when it does not say)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        line = next(x for x in meminfo.read_text().splitlines() if x.startswith("MemAvailable:"))
+        return int(line.split()[1]) << 10
+    return None
+
+
 def past_llc(nbytes: int) -> int:
     """A working set of at least nbytes that streams from memory when cycled: twice the
     last-level cache (a cycle a little past it still hits some: under a 480 MB L3 the tuner's
-    4-bit matrix read 7% faster in 512 MB than in 1 GB, docs/tuning.md)."""
-    return max(nbytes, 2 * llc_bytes())
+    4-bit matrix read 7% faster in 512 MB than in 1 GB, docs/tuning.md), capped at an eighth
+    of the memory available (the tuner holds five such sets at once) so that a small machine
+    is not pushed to swap; what is asked for always stands."""
+    room = available_bytes()
+    want = 2 * llc_bytes()
+    return max(nbytes, want if room is None else min(want, room // 8))
 
 
 def read_buffer(nbytes: int):

@@ -96,7 +96,19 @@ def test_the_last_level_cache_is_read_from_linux(tmp_path):
         (tmp_path / index / "size").write_text(size + "\n")
     assert protocol.llc_bytes(tmp_path) == 480 << 20
     assert protocol.llc_bytes(tmp_path / "absent") == 0          # none reported: the sizes asked for stand
-    assert protocol.past_llc(1 << 30) >= 1 << 30 and protocol.past_llc(0) == 2 * protocol.llc_bytes()
+    assert protocol.past_llc(1 << 30) >= 1 << 30
+
+
+def test_working_sets_past_the_cache_fit_the_memory_available(tmp_path, monkeypatch):
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       24000000 kB\nMemAvailable:    2000000 kB\n")
+    assert protocol.available_bytes(info) == 2000000 << 10
+    assert protocol.available_bytes(tmp_path / "absent") is None
+    monkeypatch.setattr(protocol, "llc_bytes", lambda: 480 << 20)
+    for room, want in ((None, 960 << 20), (16 << 30, 960 << 20), (4 << 30, 512 << 20)):
+        monkeypatch.setattr(protocol, "available_bytes", lambda room=room: room)
+        assert protocol.past_llc(0) == want, room
+        assert protocol.past_llc(600 << 20) == max(600 << 20, want), room     # what is asked for stands
 
 
 def test_matmul_walks_cycle_through_the_matrix_slice_by_slice():
