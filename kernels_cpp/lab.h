@@ -269,12 +269,13 @@ int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path,
            ThreadPool* pool, int chunk);
 
 // Times `reps` walks, each over the next walk_tiles tiles of W in one matmul call per
-// consecutive slice of slice_tiles tiles, as a model's layers make them; the walks cycle
-// through W, so a W several walks long, past the last-level cache, streams from memory every
-// time. After one warm-up walk -> seconds per walk. walk = slice = W.tiles: W whole each time
-// (padding rows too); otherwise W has whole tiles and whole walks, and a bad shape is MM_SHAPE.
+// consecutive slice of slice_tiles tiles, as a model's layers make them. The walks cycle
+// through W from walk `first` on (a caller's next calls go on from first + reps), so a W several
+// walks long, past the last-level cache, streams from memory every time. After one warm-up walk
+// -> seconds per walk. walk = slice = W.tiles: W whole each time (padding rows too); otherwise
+// W has whole tiles and whole walks, and a bad shape is MM_SHAPE.
 int bench_matmul(const PackedMat& W, int walk_tiles, int slice_tiles, const QActs& A, float* y, int path,
-                 ThreadPool* pool, int chunk, int reps, double* secs);
+                 ThreadPool* pool, int chunk, int reps, double* secs, int first = 0);
 
 // ----------------------------------------------------------------------------
 // The engine's weights file (written by lab/models/export.py, described in

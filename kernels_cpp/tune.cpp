@@ -38,7 +38,7 @@ int set_tuning(const Tuning& t) {
 }
 
 int bench_matmul(const PackedMat& W, int walk_tiles, int slice_tiles, const QActs& A, float* y, int path,
-                 ThreadPool* pool, int chunk, int reps, double* secs) {
+                 ThreadPool* pool, int chunk, int reps, double* secs, int first) {
     if (walk_tiles == W.tiles && slice_tiles == W.tiles) walk_tiles = slice_tiles = 0;   // W whole, padding rows too
     else if (slice_tiles < 1 || walk_tiles < slice_tiles || walk_tiles > W.tiles || W.rows != W.tiles * TILE)
         return MM_SHAPE;
@@ -55,10 +55,11 @@ int bench_matmul(const PackedMat& W, int walk_tiles, int slice_tiles, const QAct
         }
         return rc;
     };
-    int rc = walk(walks - 1);              // warm-up (and the argument check): the walk read longest before the first
+    if (first < 0) return MM_SHAPE;
+    int rc = walk((first + walks - 1) % walks);     // warm-up (and the argument check): the walk before the first
     for (int r = 0; rc == MM_OK && r < reps; r++) {
         const double t0 = now();
-        rc = walk(r % walks);
+        rc = walk((first + r) % walks);
         secs[r] = now() - t0;
     }
     return rc;

@@ -158,17 +158,19 @@ def read_sampler(buf: np.ndarray, pool: kernels.Pool, reps: int = 3) -> Callable
 # ----------------------------------------------------------------------------
 
 def matmul_samples(W, acts, pool, path, chunk, reps, walk_rows: int | None = None,
-                   slice_rows: int | None = None) -> list[float]:
+                   slice_rows: int | None = None, first: int = 0) -> list[float]:
     """Seconds for each of reps products of the packed W with acts: of W whole, or, with
-    walk_rows, of its next walk_rows rows each time, cycling through W (a W past the last-level
-    cache then streams from memory each time), in calls of slice_rows rows (as a model's layers
-    make them; default one call a walk)."""
+    walk_rows, of its next walk_rows rows each time from walk `first` on, cycling through W (a
+    W past the last-level cache then streams from memory each time, if each call goes on where
+    the last stopped: first + reps), in calls of slice_rows rows (as a model's layers make them;
+    default one call a walk)."""
     ns, tile, tiles = native.lib(), native.consts().tile, W.view().tiles
     walk = walk_rows // tile if walk_rows else tiles
     part = slice_rows // tile if slice_rows else walk
     y = np.empty((acts.k, W.rows if part == tiles else part * tile), np.float32)
     secs = np.zeros(reps)
-    rc = ns.bench_matmul(W.view(), walk, part, acts._acts, y, path, kernels._pool_ptr(pool), chunk, reps, secs)
+    rc = ns.bench_matmul(W.view(), walk, part, acts._acts, y, path, kernels._pool_ptr(pool), chunk, reps, secs,
+                         first % max(1, tiles // walk))
     if rc:
         raise RuntimeError(f"bench_matmul failed with code {rc}")
     return list(secs)

@@ -283,7 +283,7 @@ class _Bench:
         self.one = kernels.Pool(1) if self.pool.threads > 1 else self.pool
         self.reps = reps
         self.guided = int(ns.SPLIT_GUIDED)
-        self.W, self.walk, self.acts = {}, {}, {}
+        self.W, self.walk, self.acts, self._next = {}, {}, {}, {"q4": 0, "q8": 0}
         rng = np.random.default_rng(0)
         tile = native.consts().tile
         for fmt in ("q4", "q8"):
@@ -346,7 +346,9 @@ class _Bench:
         tile_bytes = int(native.lib().packed_nbytes(native.consts().formats[fmt], tile, COLS))
         per = self.walk[fmt] // tile if call is None else int(min(max(1, round(call / tile_bytes)),
                                                                   self.walk[fmt] // tile))
-        return matmul_samples(self.W[fmt], self.acts[k], pool, self.path, chunk, self.reps, self.walk[fmt], per * tile)
+        first, self._next[fmt] = self._next[fmt], self._next[fmt] + self.reps     # on round the cycle
+        return matmul_samples(self.W[fmt], self.acts[k], pool, self.path, chunk, self.reps, self.walk[fmt], per * tile,
+                              first)
 
 
 def _per_round(cands: dict[str, Callable[[], list[float]]], rounds: int, bar) -> dict[str, list[float]]:

@@ -119,10 +119,12 @@ def test_matmul_walks_cycle_through_the_matrix_slice_by_slice():
     acts = kernels.Acts(np.random.default_rng(0).standard_normal((2, 256), dtype=np.float32))
     whole = kernels.matmul(W, acts)
     P, pool, secs = kernels.pack(W), Pool(1), np.zeros(4)
-    for reps, last in ((1, 1), (2, 3), (4, 1)):                  # 3 walks of 2 slices: walk 0, 1, then 0 again
+    # 3 walks of 2 slices: walk 0, 1, then 0 again; from walk 1 or 2 on, as a caller's next call goes on
+    for reps, first, last in ((1, 0, 1), (2, 0, 3), (4, 0, 1), (1, 1, 3), (2, 2, 1), (1, 5, 5)):
         y = np.zeros((2, tile), np.float32)
-        assert ns.bench_matmul(P.view(), 2, 1, acts._acts, y, path, pool._pool, 0, reps, secs) == 0
+        assert ns.bench_matmul(P.view(), 2, 1, acts._acts, y, path, pool._pool, 0, reps, secs, first) == 0
         np.testing.assert_array_equal(y, whole[:, last * tile:(last + 1) * tile])
+    assert ns.bench_matmul(P.view(), 2, 1, acts._acts, y, path, pool._pool, 0, 1, secs, -1) == int(ns.MM_SHAPE)
     assert len(protocol.matmul_samples(P, acts, pool, path, 0, 3, 2 * tile, tile)) == 3
     y = np.zeros((2, 6 * tile), np.float32)
     for walk, part in ((7, 1), (2, 3), (2, 0), (4, 2)):     # past W, a slice past its walk, none; 4 of 6 is fine

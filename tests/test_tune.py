@@ -410,6 +410,17 @@ def test_a_single_token_distance_is_judged_at_every_token_count_it_moves(restore
     assert tune._bar_rounds("prefetch_k1_q8", 3, 1, base) == 6
 
 
+def test_the_bench_s_walks_go_on_round_the_cycle_from_call_to_call():
+    """Each timing starts where the last stopped: restarting at the first walk would read the
+    same few walks every time, from the cache (past_llc is 8 MB here: 9 walks of just under 1 MB)."""
+    b = tune._Bench(1, 3, 1)
+    assert b.W["q4"].rows % b.walk["q4"] == 0 and b.W["q4"].rows // b.walk["q4"] >= 8
+    for calls in (1, 2, 3):
+        assert len(b.matmul("q4", 1)) == 3 and b._next["q4"] == 3 * calls
+    b.slices(1 << 18, 0)
+    assert b._next == {"q4": 12, "q8": 0}
+
+
 def test_a_one_token_stream_is_timed_in_its_format_s_calls(restore, monkeypatch):
     """The 4-bit body's stream in calls the size of a layer's large matrices, where a scheme's
     start in each call counts; the 8-bit output layer's in one call."""
