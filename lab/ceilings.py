@@ -25,8 +25,8 @@ def _time(fn, reps: int) -> list[float]:
 
 def bandwidth(threads=None, mb: int = 512, rounds: int = 5, reps: int = 4) -> dict:
     """Read-only (the fastest loop, `read_passes`), copy and triad bandwidth (GB/s) against
-    thread count; the read ceiling. mb: the
-    buffers' size, raised past the last-level cache (`past_llc`; the result's buffer_mb)."""
+    thread count; the read ceiling. mb: the buffers' size, raised past the last-level cache
+    (`past_llc`; the result's buffer_mb)."""
     ns = native.lib()
     nbytes = past_llc(mb << 20)                      # at least mb, streaming from memory
     buf, _owner = read_buffer(nbytes)

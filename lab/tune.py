@@ -342,6 +342,8 @@ class _Bench:
         return self._walk("q4", 1, self.pool, chunk, size)
 
     def _walk(self, fmt: str, k: int, pool, chunk: int, call: int | None) -> list[float]:
+        """Seconds per walk over the next `mb` MB of fmt's matrix at k tokens on pool, in calls of
+        `call` bytes (None: one call), each split by `chunk`."""
         tile = native.consts().tile
         tile_bytes = int(native.lib().packed_nbytes(native.consts().formats[fmt], tile, COLS))
         per = self.walk[fmt] // tile if call is None else int(min(max(1, round(call / tile_bytes)),
