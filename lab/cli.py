@@ -231,7 +231,8 @@ def _check_models(args) -> None:
 def cmd_info(args) -> int:
     info = native.cpu()
     info["library"] = str(native.build())
-    from . import tune
+    from . import protocol, tune
+    info["memory"] = {"llc_bytes": protocol.llc_bytes(), "from_memory_bytes": protocol.past_llc(0)}
     info["tuning"] = tune.describe()
     if args.json:
         print(json.dumps(info, indent=2))
@@ -242,6 +243,9 @@ def cmd_info(args) -> int:
     for op, path in info["kernels"].items():
         print(f"  {op:22s}{path}")
     print(f"library       {info['library']}")
+    mem = info["memory"]        # why the benchmarks allocate what they do
+    print(f"caches        last level {mem['llc_bytes'] >> 20} MB (as Linux reports it); what is timed from memory "
+          f"cycles through {mem['from_memory_bytes'] >> 20} MB at least")
     for line in tune.lines(info["tuning"]):
         print(line)
     warning = native.warn_if_slow()

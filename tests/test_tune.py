@@ -148,6 +148,7 @@ def test_info_shows_the_values_and_their_source(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert "tuning" in out and all(f in out for f in tune.FIELDS)
+    assert "last level 4 MB" in out and "cycles through 8 MB" in out      # the small_cache fixture's
 
 
 @pytest.mark.slow
