@@ -9,7 +9,7 @@ import numpy as np
 
 from . import kernels, native
 from .machine import machine
-from .protocol import flat, interleave, past_llc, read_buffer, read_passes, summary
+from .protocol import READ_AHEAD, flat, interleave, past_llc, read_buffer, summary
 
 
 def _thread_counts(threads) -> list[int]:
@@ -23,9 +23,14 @@ def _time(fn, reps: int) -> list[float]:
     return list(secs)
 
 
+# The read loops, each its own kind (lab.protocol.READ_AHEAD: plain loads, and each line asked
+# for that many bytes ahead): where the requests read more, the chart shows it.
+READ_KINDS = {("read" if a == 0 else f"read, {a} B ahead"): a for a in READ_AHEAD}
+
+
 def bandwidth(threads=None, mb: int = 512, rounds: int = 5, reps: int = 4) -> dict:
-    """Read-only (the fastest loop, `read_passes`), copy and triad bandwidth (GB/s) against
-    thread count; the read ceiling. mb: the buffers' size, raised past the last-level cache
+    """Read-only bandwidth of each READ_KINDS loop, copy and triad (GB/s) against thread count;
+    the read ceiling, the fastest read. mb: the buffers' size, raised past the last-level cache
     (`past_llc`; the result's buffer_mb)."""
     ns = native.lib()
     nbytes = past_llc(mb << 20)                      # at least mb, streaming from memory
@@ -38,14 +43,15 @@ def bandwidth(threads=None, mb: int = 512, rounds: int = 5, reps: int = 4) -> di
     cands = {}
     for t, pool in pools.items():
         p = pool._pool
-        cands[f"read/{t}"] = lambda p=p: read_passes(buf, nbytes, p, reps)
+        for kind, ahead in READ_KINDS.items():
+            cands[f"{kind}/{t}"] = lambda p=p, a=ahead: _time(lambda s: ns.bench_read(buf, nbytes, p, reps, s, a), reps)
         cands[f"copy/{t}"] = lambda p=p: _time(lambda s: ns.bench_copy(a, b, n, p, reps, s), reps)
         cands[f"triad/{t}"] = lambda p=p: _time(lambda s: ns.bench_triad(a, b, c, n, p, reps, s), reps)
     for fn in cands.values():                         # warm-up: page faults, frequency
         fn()
-    moved = {"read": nbytes, "copy": 2 * 4 * n, "triad": 3 * 4 * n}   # STREAM's byte counts
+    moved = {**dict.fromkeys(READ_KINDS, nbytes), "copy": 2 * 4 * n, "triad": 3 * 4 * n}   # STREAM's byte counts
     rows = [_rate_row(name, moved, secs) for name, secs in interleave(cands, rounds).items()]
-    best = max((r for r in rows if r["kind"] == "read"), key=lambda r: r["gbps"])
+    best = max((r for r in rows if r["kind"] in READ_KINDS), key=lambda r: r["gbps"])     # the fastest loop
     return {"machine": machine(), "buffer_mb": nbytes >> 20, "read_gbps": best["gbps"],
             "read_gbps_iqr": best["gbps_iqr"], "threads": best["threads"], "results": rows}
 
