@@ -93,12 +93,22 @@ def llc_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
     return max(sizes)
 
 
-def available_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
-    """The memory Linux says is available for new work (None when it does not say)."""
+# A container's memory limit and use, cgroup v2's files and v1's: /proc/meminfo shows the host's.
+CGROUP_MEMORY = ((Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
+                 (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")))
+
+
+def available_bytes(meminfo: Path = Path("/proc/meminfo"), cgroups=CGROUP_MEMORY) -> int | None:
+    """The memory Linux says is available for new work, within this container's limit where
+    one is set (None when neither says)."""
+    room = []
     with contextlib.suppress(OSError, ValueError, StopIteration):
         line = next(x for x in meminfo.read_text().splitlines() if x.startswith("MemAvailable:"))
-        return int(line.split()[1]) << 10
-    return None
+        room.append(int(line.split()[1]) << 10)
+    for limit, used in cgroups:
+        with contextlib.suppress(OSError, ValueError):      # "max" (v2) or a huge number: no limit
+            room.append(int(limit.read_text()) - int(used.read_text()))
+    return min(room) if room else None
 
 
 def past_llc(nbytes: int) -> int:

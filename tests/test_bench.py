@@ -103,8 +103,13 @@ def test_the_last_level_cache_is_read_from_linux(tmp_path):
 def test_working_sets_past_the_cache_fit_the_memory_available(tmp_path, monkeypatch):
     info = tmp_path / "meminfo"
     info.write_text("MemTotal:       24000000 kB\nMemAvailable:    2000000 kB\n")
-    assert protocol.available_bytes(info) == 2000000 << 10
-    assert protocol.available_bytes(tmp_path / "absent") is None
+    assert protocol.available_bytes(info, ()) == 2000000 << 10
+    assert protocol.available_bytes(tmp_path / "absent", ()) is None
+    limit, used, unlimited = tmp_path / "max", tmp_path / "current", tmp_path / "v2max"
+    limit.write_text("1073741824\n"), used.write_text("268435456\n"), unlimited.write_text("max\n")
+    assert protocol.available_bytes(info, ((limit, used),)) == 768 << 20         # a container's limit binds
+    assert protocol.available_bytes(info, ((unlimited, used),)) == 2000000 << 10
+    assert protocol.available_bytes(tmp_path / "absent", ((limit, used),)) == 768 << 20
     monkeypatch.setattr(protocol, "llc_bytes", lambda: 480 << 20)
     for room, want in ((None, 960 << 20), (16 << 30, 960 << 20), (4 << 30, 512 << 20)):
         monkeypatch.setattr(protocol, "available_bytes", lambda room=room: room)
