@@ -9,7 +9,7 @@ import numpy as np
 
 from . import kernels, native
 from .machine import machine
-from .protocol import READ_AHEAD, flat, interleave, past_llc, read_buffer, summary
+from .protocol import READ_AHEAD, flat, interleave, read_buffer, summary
 
 
 def _thread_counts(threads) -> list[int]:
@@ -31,10 +31,10 @@ READ_KINDS = {("read" if a == 0 else f"read, {a} B ahead"): a for a in READ_AHEA
 def bandwidth(threads=None, mb: int = 512, rounds: int = 5, reps: int = 4) -> dict:
     """Read-only bandwidth of each READ_KINDS loop, copy and triad (GB/s) against thread count;
     the read ceiling, the fastest read. mb: the buffers' size, raised past the last-level cache
-    (`past_llc`; the result's buffer_mb)."""
+    (`read_buffer`; the result's buffer_mb)."""
     ns = native.lib()
-    nbytes = past_llc(mb << 20)                      # at least mb, streaming from memory
-    buf, _owner = read_buffer(nbytes)
+    buf, _owner = read_buffer(mb << 20)               # at least mb, streaming from memory
+    nbytes = buf.size
     n = nbytes // 4 // 3                              # copy/triad: three arrays, same footprint
     a, b, c = (kernels.aligned_empty((n,), np.float32) for _ in range(3))
     for arr in (a, b, c):

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 
 from .machine import machine
-from .protocol import (fill, flat, forward_samples, interleave, paired_ratio, past_llc, read_buffer, read_sampler,
-                       round_trip_ns)
+from .protocol import fill, flat, forward_samples, interleave, paired_ratio, read_buffer, read_sampler, round_trip_ns
 
-READ_MB = 256       # the read ceiling's buffer, at least; past_llc makes it stream from memory
+READ_MB = 256       # the read ceiling's buffer, at least (read_buffer raises it past the last-level cache)
 
 
 def vk_bench(target, drafts: dict, contexts=None, ks=tuple(range(1, 17)), rounds: int = 5,
@@ -25,7 +24,7 @@ def vk_bench(target, drafts: dict, contexts=None, ks=tuple(range(1, 17)), rounds
     if progress:
         from tqdm.auto import tqdm
         it = tqdm(contexts, desc="v(k)", unit="context")
-    buf, _owner = read_buffer(past_llc(READ_MB << 20))
+    buf, _owner = read_buffer(READ_MB << 20)
     read = read_sampler(buf, target.pool)
 
     def at(ctx: int) -> list[dict]:

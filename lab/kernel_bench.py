@@ -103,7 +103,7 @@ def kernels_bench(ks=(1, 2, 4, 8, 16), fmts=("q4", "q8"), threads: int | None = 
     peak = dot_peak(native.PATHS[p], n=4_000_000 if quick else 32_000_000, reps=5 if quick else 7)
     rounds, reps = (3, 2) if quick else (9, 3)
     pool_all = kernels.Pool(n)
-    buf, _owner = read_buffer(past_llc((64 if quick else 512) << 20))
+    buf, _owner = read_buffer((64 if quick else 512) << 20)
     reader = read_sampler(buf, pool_all)
     reader()                                              # warm-up: page faults
     records = []

@@ -123,9 +123,10 @@ def past_llc(nbytes: int) -> int:
 
 
 def read_buffer(nbytes: int):
-    """A buffer allocated like the kernels' weights (2 MB pages where allowed), filled with
+    """A buffer for read passes from memory: at least nbytes, raised past the last-level cache
+    (past_llc), allocated like the kernels' weights (2 MB pages where allowed) and filled with
     random bytes -> (array, owner); keep the owner alive as long as the array."""
-    ns = native.lib()
+    ns, nbytes = native.lib(), past_llc(nbytes)
     owner = ns.Buffer(nbytes)
     view = owner.data()
     view.reshape((nbytes,))

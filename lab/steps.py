@@ -10,8 +10,8 @@ import numpy as np
 
 from . import kernels, native, slowcore
 from .machine import machine
-from .protocol import (fill, flat, forward_samples, interleave, paired_ratio, past_llc, read_buffer, read_sampler,
-                       round_trip_ns, summary)
+from .protocol import (fill, flat, forward_samples, interleave, paired_ratio, read_buffer, read_sampler, round_trip_ns,
+                       summary)
 
 
 def decode_bench(engine, context: int = 256, rounds: int = 7, reps: int = 5, stages: bool = False,
@@ -22,7 +22,7 @@ def decode_bench(engine, context: int = 256, rounds: int = 7, reps: int = 5, sta
     passes (a verification's) instead of one-token steps. The threads' round trip before and
     after says where the machine put them."""
     tok = fill(engine, context)[-k:].copy()
-    buf, _owner = read_buffer(past_llc(512 << 20))
+    buf, _owner = read_buffer(512 << 20)
     reader = read_sampler(buf, engine.pool)
     reader()
     per_round = []                          # stage seconds per pass, one dict a round

@@ -283,11 +283,11 @@ class _Bench:
         self.one = kernels.Pool(1) if self.pool.threads > 1 else self.pool
         self.reps = reps
         self.guided = int(ns.SPLIT_GUIDED)
-        self.W, self.walk, self.acts, self._next = {}, {}, {}, {"q4": 0, "q8": 0}
+        self.W, self.walk, self.tile_bytes, self.acts, self._next = {}, {}, {}, {}, {"q4": 0, "q8": 0}
         rng = np.random.default_rng(0)
         tile = native.consts().tile
         for fmt in ("q4", "q8"):
-            tile_bytes = int(ns.packed_nbytes(native.consts().formats[fmt], tile, COLS))
+            self.tile_bytes[fmt] = tile_bytes = int(ns.packed_nbytes(native.consts().formats[fmt], tile, COLS))
             tiles = max(1, mb * MB // tile_bytes)                   # timed at a time
             walks = -(-past_llc(mb * MB) // (tiles * tile_bytes))   # cycled, they stream from memory
             self.walk[fmt] = tiles * tile
@@ -327,13 +327,13 @@ class _Bench:
         """The read ceiling now, over a buffer past the last-level cache: which bandwidth state
         this is. The buffer is made on first use: other users of the bench never read it."""
         if self._read is None:
-            buf, owner = read_buffer(past_llc(self.mb * MB))
+            buf, owner = read_buffer(self.mb * MB)
             self._read = (read_sampler(buf, self.pool), buf, owner)
         return float(np.median(self._read[0]()))
 
     def multi(self, fmt: str) -> list[float]:
         """Seconds per pass at each of MULTI_K tokens, summed per repeat."""
-        return [sum(t) for t in zip(*(self.matmul(fmt, k) for k in MULTI_K))]
+        return _summed(self.matmul(fmt, k) for k in MULTI_K)
 
     def slices(self, size: int, chunk: int) -> list[float]:
         """Seconds per walk over `mb` MB of the 4-bit matrix at one token in calls on consecutive
@@ -345,12 +345,16 @@ class _Bench:
         """Seconds per walk over the next `mb` MB of fmt's matrix at k tokens on pool, in calls of
         `call` bytes (None: one call), each split by `chunk`."""
         tile = native.consts().tile
-        tile_bytes = int(native.lib().packed_nbytes(native.consts().formats[fmt], tile, COLS))
-        per = self.walk[fmt] // tile if call is None else int(min(max(1, round(call / tile_bytes)),
+        per = self.walk[fmt] // tile if call is None else int(min(max(1, round(call / self.tile_bytes[fmt])),
                                                                   self.walk[fmt] // tile))
         first, self._next[fmt] = self._next[fmt], self._next[fmt] + self.reps     # on round the cycle
         return matmul_samples(self.W[fmt], self.acts[k], pool, self.path, chunk, self.reps, self.walk[fmt], per * tile,
                               first)
+
+
+def _summed(timings) -> list[float]:
+    """Several timings' seconds, added repeat by repeat."""
+    return [sum(t) for t in zip(*timings)]
 
 
 def _per_round(cands: dict[str, Callable[[], list[float]]], rounds: int, bar) -> dict[str, list[float]]:
@@ -391,7 +395,7 @@ def _stage_samplers(b: _Bench) -> dict[str, Callable[[], list[float]]]:
     """What each other stage times: the kernels whose speed its values move (the single-token
     stages: _stream_times)."""
     return {**{stage: (lambda fmt=fmt: b.multi(fmt)) for fmt, stage in MULTI_STAGE.items()}, "att_split_k": b.attention,
-            "att_kv_l2_k": lambda: [sum(t) for t in zip(*(b.attention(k) for k in ATT_KV_TOKENS))],
+            "att_kv_l2_k": lambda: _summed(b.attention(k) for k in ATT_KV_TOKENS),
             **{f: (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for f, (fmt, k) in (SINGLE | MEM_ACC).items()
                if f not in ONE_THREAD}}
 

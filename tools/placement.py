@@ -21,7 +21,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from lab import kernels  # noqa: E402
 from lab.costs import READ_MB  # noqa: E402
-from lab.protocol import band_edges, past_llc, read_buffer, read_sampler, round_trip_ns, steady_bands  # noqa: E402
+from lab.protocol import band_edges, read_buffer, read_sampler, round_trip_ns, steady_bands  # noqa: E402
 
 TRIPS = 100_000
 
@@ -32,7 +32,7 @@ def measure(rounds: int, read_mb: int = READ_MB, trips: int = TRIPS, progress: b
     pool = kernels.Pool(None)
     if pool.threads < 2:
         raise SystemExit("one CPU: there is no second CPU to time a round trip to")
-    buf, _owner = read_buffer(past_llc(read_mb << 20))
+    buf, _owner = read_buffer(read_mb << 20)
     read = read_sampler(buf, pool)
     out = []
     for _ in tqdm(range(rounds), desc="placement", unit="round", disable=not progress, file=sys.stderr):

@@ -25,8 +25,7 @@ from lab import tune  # noqa: E402
 from lab.costs import READ_MB  # noqa: E402
 from lab.engine import Engine  # noqa: E402
 from lab.models.export import engine_file  # noqa: E402
-from lab.protocol import (UNSTEADY, band_edges, fill, forward_samples, past_llc, read_buffer, read_sampler,  # noqa: E402
-                          steady_bands)
+from lab.protocol import UNSTEADY, band_edges, fill, forward_samples, read_buffer, read_sampler, steady_bands  # noqa: E402
 
 
 def measure(engine, field: str, values: list, rounds: int, context: int, k: int = 1, read_mb: int = READ_MB,
@@ -34,7 +33,7 @@ def measure(engine, field: str, values: list, rounds: int, context: int, k: int 
     """Per round: the read ceiling before and after (GB/s) and each value's ms a pass; the
     other fields as now, or as `base` says."""
     from tqdm import tqdm
-    buf, _owner = read_buffer(past_llc(read_mb << 20))
+    buf, _owner = read_buffer(read_mb << 20)
     read = read_sampler(buf, engine.pool)
     tokens = fill(engine, context)[-k:].astype(np.int32)
     restore, out = tune.current(), []

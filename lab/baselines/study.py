@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import energy
-from ..protocol import fill, flat, forward_samples, interleave, paired_ratio, past_llc, read_buffer, read_sampler
+from ..protocol import fill, flat, forward_samples, interleave, paired_ratio, read_buffer, read_sampler
 from ..spec import geomean
 from ..speculative import SpeculationMismatch, bracket
 from . import Run
@@ -44,7 +44,7 @@ def steps(lab_engine, llama=None, contexts=(256, 2048), ks=tuple(range(1, 17)), 
     """Per context and system: ms per k-token pass, v(k) paired with k = 1 round by round,
     tokens/s and GB/s of a decode step, and its share of the read ceiling."""
     from tqdm.auto import tqdm
-    buf, _owner = read_buffer(past_llc(mb << 20))
+    buf, _owner = read_buffer(mb << 20)
     reader = read_sampler(buf, lab_engine.pool)
     systems = {"lab": _LabPasses(lab_engine)}
     if llama is not None:
