@@ -21,63 +21,79 @@ struct alignas(64) Slot {
     uint64_t v = 0;
 };
 
-// A pass must not be optimised away: every path folds what it read into a checksum.
+// A pass must not be optimised away: every path folds what it read into a checksum. A loop
+// reads its bytes in S streams: S equal parts (whole steps of the loop), a step of each in turn,
+// and what is left after them in one.
+template <int S>
 uint64_t read_scalar(const uint8_t* p, int64_t n, int64_t ahead) {
     uint64_t a = 0, b = 0;
-    for (int64_t i = 0; i + 16 <= n; i += 16) {
-        uint64_t x, y;
-        if (ahead && i % 64 == 0) __builtin_prefetch(p + i + ahead, 0, 3);
-        std::memcpy(&x, p + i, 8);
-        std::memcpy(&y, p + i + 8, 8);
-        a ^= x;
-        b += y;
-    }
-    return a ^ b;
+    const int64_t part = n / S / 16 * 16;
+    for (int64_t i = 0; i + 16 <= part; i += 16)
+        for (int s = 0; s < S; s++) {
+            const uint8_t* q = p + s * part + i;
+            uint64_t x, y;
+            if (ahead && i % 64 == 0) __builtin_prefetch(q + ahead, 0, 3);
+            std::memcpy(&x, q, 8);
+            std::memcpy(&y, q + 8, 8);
+            a ^= x;
+            b += y;
+        }
+    return (a ^ b) + (S > 1 ? read_scalar<1>(p + S * part, n - S * part, ahead) : 0);
 }
 
 #pragma GCC push_options
 #pragma GCC target("avx2")
+template <int S>
 uint64_t read_avx2(const uint8_t* p, int64_t n, int64_t ahead) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t i = 0; i + 128 <= n; i += 128) {
-        if (ahead) {                    // each line `ahead` bytes before it is read, into L1
-            __builtin_prefetch(p + i + ahead, 0, 3);
-            __builtin_prefetch(p + i + ahead + 64, 0, 3);
+    const int64_t part = n / S / 128 * 128;
+    for (int64_t i = 0; i + 128 <= part; i += 128)
+        for (int s = 0; s < S; s++) {
+            const uint8_t* q = p + s * part + i;
+            if (ahead) {                    // each line `ahead` bytes before it is read, into L1
+                __builtin_prefetch(q + ahead, 0, 3);
+                __builtin_prefetch(q + ahead + 64, 0, 3);
+            }
+            a0 = _mm256_xor_si256(a0, _mm256_load_si256((const __m256i*)(q)));
+            a1 = _mm256_xor_si256(a1, _mm256_load_si256((const __m256i*)(q + 32)));
+            a2 = _mm256_xor_si256(a2, _mm256_load_si256((const __m256i*)(q + 64)));
+            a3 = _mm256_xor_si256(a3, _mm256_load_si256((const __m256i*)(q + 96)));
         }
-        a0 = _mm256_xor_si256(a0, _mm256_load_si256((const __m256i*)(p + i)));
-        a1 = _mm256_xor_si256(a1, _mm256_load_si256((const __m256i*)(p + i + 32)));
-        a2 = _mm256_xor_si256(a2, _mm256_load_si256((const __m256i*)(p + i + 64)));
-        a3 = _mm256_xor_si256(a3, _mm256_load_si256((const __m256i*)(p + i + 96)));
-    }
     const __m256i x = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
-    return (uint64_t)_mm256_extract_epi64(x, 0) ^ (uint64_t)_mm256_extract_epi64(x, 3);
+    return ((uint64_t)_mm256_extract_epi64(x, 0) ^ (uint64_t)_mm256_extract_epi64(x, 3)) +
+           (S > 1 ? read_avx2<1>(p + S * part, n - S * part, ahead) : 0);
 }
 #pragma GCC pop_options
 
 #pragma GCC push_options
 #pragma GCC target("avx2,avx512f")
+template <int S>
 uint64_t read_avx512(const uint8_t* p, int64_t n, int64_t ahead) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-    for (int64_t i = 0; i + 256 <= n; i += 256) {
-        if (ahead)
-            for (int j = 0; j < 256; j += 64) __builtin_prefetch(p + i + ahead + j, 0, 3);
-        a0 = _mm512_xor_si512(a0, _mm512_load_si512(p + i));
-        a1 = _mm512_xor_si512(a1, _mm512_load_si512(p + i + 64));
-        a2 = _mm512_xor_si512(a2, _mm512_load_si512(p + i + 128));
-        a3 = _mm512_xor_si512(a3, _mm512_load_si512(p + i + 192));
-    }
+    const int64_t part = n / S / 256 * 256;
+    for (int64_t i = 0; i + 256 <= part; i += 256)
+        for (int s = 0; s < S; s++) {
+            const uint8_t* q = p + s * part + i;
+            if (ahead)
+                for (int j = 0; j < 256; j += 64) __builtin_prefetch(q + ahead + j, 0, 3);
+            a0 = _mm512_xor_si512(a0, _mm512_load_si512(q));
+            a1 = _mm512_xor_si512(a1, _mm512_load_si512(q + 64));
+            a2 = _mm512_xor_si512(a2, _mm512_load_si512(q + 128));
+            a3 = _mm512_xor_si512(a3, _mm512_load_si512(q + 192));
+        }
     const __m512i x = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
-    return (uint64_t)_mm512_reduce_add_epi64(x);
+    return (uint64_t)_mm512_reduce_add_epi64(x) + (S > 1 ? read_avx512<1>(p + S * part, n - S * part, ahead) : 0);
 }
 #pragma GCC pop_options
 
 using ReadFn = uint64_t (*)(const uint8_t*, int64_t, int64_t);
 
+template <int S>
 ReadFn read_fn() {
     const CpuInfo c = cpu_info();
-    if (c.avx512f && c.os_avx512) return read_avx512;
-    if (c.avx2 && c.os_avx) return read_avx2;
-    return read_scalar;
+    if (c.avx512f && c.os_avx512) return read_avx512<S>;
+    if (c.avx2 && c.os_avx) return read_avx2<S>;
+    return read_scalar<S>;
 }
 
 volatile uint64_t g_sink;
@@ -95,8 +111,10 @@ void timed_passes(ThreadPool* pool, int reps, double* secs, F&& pass) {
 
 }  // namespace
 
-void bench_read(const uint8_t* buf, int64_t bytes, ThreadPool* pool, int reps, double* secs, int64_t ahead) {
-    const ReadFn fn = read_fn();
+int bench_read(const uint8_t* buf, int64_t bytes, ThreadPool* pool, int reps, double* secs, int64_t ahead,
+               int streams) {
+    if (streams != 1 && streams != 2) return 1;
+    const ReadFn fn = streams == 2 ? read_fn<2>() : read_fn<1>();
     const int n = pool ? pool->size() : 1;
     Slot slots[64];
     timed_passes(pool, reps, secs, [&](int part, int tid) {
@@ -106,6 +124,7 @@ void bench_read(const uint8_t* buf, int64_t bytes, ThreadPool* pool, int reps, d
     uint64_t x = 0;
     for (auto& s : slots) x ^= s.v;
     g_sink = x;
+    return 0;
 }
 
 double bench_round_trip(ThreadPool* pool, int n) {

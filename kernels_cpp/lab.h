@@ -100,6 +100,8 @@ constexpr int ATT_WINDOW_BLOCK = 32;
 // split tiles over threads; whatever changes arithmetic order stays fixed per kernel path.
 // ----------------------------------------------------------------------------
 
+constexpr int MAX_STREAMS = 4;     // the most streams a kernel reads a share in (Tuning)
+
 struct Tuning {
     // The SIMD kernels ask for their weight stream this far ahead, in bytes of a 4-bit stream
     // (an 8-bit one goes as many blocks ahead): one token into L1, per format, 0 for no request
@@ -117,6 +119,10 @@ struct Tuning {
     // each block rather than stay in registers: stream-bound cases where a machine first
     // measured ran faster that way (docs/tuning.md).
     bool q4_mem_acc_k2 = true, q4_mem_acc_k4 = false, q8_mem_acc_k2 = true, q8_mem_acc_k4 = true;
+    // How many streams a SIMD kernel reads a thread's share in, per format: 1, 2 or 4 equal
+    // parts of its tiles, a block of each in turn. One core keeps more lines in flight over
+    // several streams than over one (docs/tuning.md).
+    int q4_streams = 1, q8_streams = 1;
     int64_t guided_min_bytes = 96 << 10;    // the smallest guided share
     int64_t guided_from_bytes = 4 << 20;    // smaller matrices go in static halves
     // From this many tokens (0: never) a KV head's attention goes to two tasks of half the
@@ -546,8 +552,10 @@ private:
 // ----------------------------------------------------------------------------
 
 // A read pass over buf split over the pool; ahead > 0: each line is asked for into L1 that many
-// bytes before it is read (lab/protocol.py takes the faster loop as the read ceiling).
-void bench_read(const uint8_t* buf, int64_t bytes, ThreadPool* pool, int reps, double* secs, int64_t ahead = 0);
+// bytes before it is read; each thread reads its slice in `streams` streams, 1 or 2 (else 1 is
+// returned and nothing timed). lab/protocol.py takes the fastest loop as the read ceiling.
+int bench_read(const uint8_t* buf, int64_t bytes, ThreadPool* pool, int reps, double* secs, int64_t ahead = 0,
+               int streams = 1);
 // Nanoseconds a cache line takes to go from the pool's thread 0 to thread 1 and back, over n
 // round trips (0 for a pool of one): how far apart their CPUs sit.
 double bench_round_trip(ThreadPool* pool, int n);

@@ -96,6 +96,7 @@ template <int FMT>
 struct BlockWalk {
     const uint8_t* q;
     const uint16_t* d;
+    BlockWalk() = default;
     BlockWalk(const PackedMat& W, int tile) {
         const TileOffsets start = tile_offsets(FMT, W.cols / QK, tile, 0);
         q = W.q + start.q;
@@ -107,6 +108,23 @@ struct BlockWalk {
         d += b % 2 ? pair_bytes(FMT) / SCALE_BYTES - TILE : TILE;
     }
 };
+
+// How many streams k tokens of a format read a thread's share in (Tuning).
+static inline int streams(int fmt, const Tuning& tn) { return fmt == FMT_Q4 ? tn.q4_streams : tn.q8_streams; }
+
+// Calls f(tiles, n) on the tiles t0..t1 in groups of n = `count` that a kernel reads side by side:
+// the range in `count` equal parts, a tile of each at a time, so that each part is one stream
+// from memory; the tiles that do not divide go one at a time at the end.
+template <class F>
+static void stream_groups(int t0, int t1, int count, F&& f) {
+    const int part = (t1 - t0) / count;
+    int tiles[MAX_STREAMS];
+    for (int i = 0; i < part; i++) {
+        for (int n = 0; n < count; n++) tiles[n] = t0 + n * part + i;
+        f(tiles, count);
+    }
+    for (int t = t0 + count * part; t < t1; t++) f(&t, 1);
+}
 
 // ============================================================================
 // Scalar reference (reads the same packed tiles as the SIMD kernels)
@@ -243,71 +261,92 @@ static inline bool through_memory(int fmt, int k, const Tuning& tn) {
     return false;
 }
 
-// One tile's rows for the G tokens from `tok0` on, every block in order. Only the first group
-// of a tile asks for the streams ahead (PREFETCH_AHEAD); MEM: the accumulators go through memory.
+// One block of a tile for the G tokens from `tok0` on: vacc[t] += its products, and the walk on
+// to the next block. Always inlined, so the accumulators stay in registers.
 template <int FMT, int G, bool MEM, bool PREFETCH_AHEAD>
-static inline void tile_pass(const PackedMat& W, const QActs& A, int tile, int tok0, float (*acc)[TILE],
-                             const StreamAhead& ahead) {
-    const int nb = W.cols / QK;
+__attribute__((always_inline)) static inline void block_pass(const QActs& A, BlockWalk<FMT>& walk, int b, int tok0,
+                                                             __m512* vacc, const StreamAhead& ahead) {
     constexpr int CH = block_chunks(FMT);
-    const __m512i nib = _mm512_set1_epi8(0x0f);
-    __m512 vacc[G];
-    for (int t = 0; t < G; t++) vacc[t] = _mm512_setzero_ps();
-    BlockWalk<FMT> walk(W, tile);
-    for (int b = 0; b < nb; walk.next(b++)) {
-        const uint8_t* qb = walk.q;
-        // the weights stream from memory once: ask for them well before they are needed
-        if (PREFETCH_AHEAD) ahead.block<CH>(qb, b);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)walk.d));
-        // d_w * 2^e, exactly: d_w's bits plus e << 23 where d_w is not 0 (fp16 makes it a
-        // normal float, e's range keeps the sum one, and files with a NaN or inf scale are
-        // refused), 0 where it is. An integer add runs beside vpdpbusd, where a multiply took
-        // one of its issue slots; vfpclassps, to pass inf through too, cost 3-4% (docs/tuning.md).
-        const __m512i dwi = _mm512_castps_si512(dw);
-        const __mmask16 nonzero = _mm512_test_epi32_mask(dwi, _mm512_set1_epi32(0x7fffffff));
-        __m512i w[8];                                   // w[j] meets activation bytes 4j..4j+3
-        for (int g = 0; g < CH; g++) {
-            __m512i x = _mm512_load_si512(qb + g * CHUNK);
-            // one load feeds both nibbles: the compiler would fold it into each, and the core
-            // moves only two loads a cycle into its vector unit, each broadcast operand one of them
-            asm("" : "+v"(x));
-            if (FMT == FMT_Q4) {
-                w[g] = _mm512_and_si512(x, nib);
-                w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(x, 4), nib);
-            } else {
-                w[g] = x;
-            }
-        }
-        for (int t = 0; t < G; t++) {
-            const int8_t* a = A.q(tok0 + t) + b * QK;
-            // two chains, so a single token is not bound by vpdpbusd's latency
-            __m512i s0 = _mm512_set1_epi32(A.corr(tok0 + t, FMT)[b]), s1 = _mm512_setzero_si512();
-            for (int j = 0; j < 8; j += 2) {
-                s0 = dpbusd_bcst(s0, w[j], a + 4 * j);
-                s1 = dpbusd_bcst(s1, w[j + 1], a + 4 * j + 4);
-            }
-            const __m512 d = _mm512_castsi512_ps(
-                _mm512_maskz_add_epi32(nonzero, dwi, _mm512_set1_epi32(A.exp23(tok0 + t)[b])));
-            vacc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), d, vacc[t]);
-            if (MEM) asm volatile("" : "+m"(vacc[t]));
+    const uint8_t* qb = walk.q;
+    // the weights stream from memory once: ask for them well before they are needed
+    if (PREFETCH_AHEAD) ahead.block<CH>(qb, b);
+    const __m512 dw = _mm512_cvtph_ps(_mm256_load_si256((const __m256i*)walk.d));
+    // d_w * 2^e, exactly: d_w's bits plus e << 23 where d_w is not 0 (fp16 makes it a
+    // normal float, e's range keeps the sum one, and files with a NaN or inf scale are
+    // refused), 0 where it is. An integer add runs beside vpdpbusd, where a multiply took
+    // one of its issue slots; vfpclassps, to pass inf through too, cost 3-4% (docs/tuning.md).
+    const __m512i dwi = _mm512_castps_si512(dw);
+    const __mmask16 nonzero = _mm512_test_epi32_mask(dwi, _mm512_set1_epi32(0x7fffffff));
+    __m512i w[8];                                   // w[j] meets activation bytes 4j..4j+3
+    for (int g = 0; g < CH; g++) {
+        __m512i x = _mm512_load_si512(qb + g * CHUNK);
+        // one load feeds both nibbles: the compiler would fold it into each, and the core
+        // moves only two loads a cycle into its vector unit, each broadcast operand one of them
+        asm("" : "+v"(x));
+        if (FMT == FMT_Q4) {
+            w[g] = _mm512_and_si512(x, _mm512_set1_epi8(0x0f));
+            w[g + 4] = _mm512_and_si512(_mm512_srli_epi16(x, 4), _mm512_set1_epi8(0x0f));
+        } else {
+            w[g] = x;
         }
     }
-    for (int t = 0; t < G; t++) _mm512_store_ps(acc[t], vacc[t]);
+    for (int t = 0; t < G; t++) {
+        const int8_t* a = A.q(tok0 + t) + b * QK;
+        // two chains, so a single token is not bound by vpdpbusd's latency
+        __m512i s0 = _mm512_set1_epi32(A.corr(tok0 + t, FMT)[b]), s1 = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j += 2) {
+            s0 = dpbusd_bcst(s0, w[j], a + 4 * j);
+            s1 = dpbusd_bcst(s1, w[j + 1], a + 4 * j + 4);
+        }
+        const __m512 d = _mm512_castsi512_ps(
+            _mm512_maskz_add_epi32(nonzero, dwi, _mm512_set1_epi32(A.exp23(tok0 + t)[b])));
+        vacc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), d, vacc[t]);
+        if (MEM) asm volatile("" : "+m"(vacc[t]));
+    }
+    walk.next(b);
 }
 
-// More than 8 tokens take a tile in two groups, the second reading the tile's weights again
-// from cache, because in one group up to 16 accumulators beside a block's 8 weight registers
-// crowd the 32 registers and the compiler spills them (docs/tuning.md).
+// NT tiles' rows for the G tokens from `tok0` on, every block in order, a block of each tile
+// in turn (NT streams). Only the first group of a tile asks for the streams ahead
+// (PREFETCH_AHEAD); MEM: the accumulators go through memory.
+template <int FMT, int K, int G, bool MEM, bool PREFETCH_AHEAD, int NT>
+static inline void tile_pass(const PackedMat& W, const QActs& A, const int* tiles, int tok0, float (*acc)[K][TILE],
+                             const StreamAhead& ahead) {
+    __m512 vacc[NT][G];
+    BlockWalk<FMT> walks[NT];
+    for (int n = 0; n < NT; n++) {
+        walks[n] = BlockWalk<FMT>(W, tiles[n]);
+        for (int t = 0; t < G; t++) vacc[n][t] = _mm512_setzero_ps();
+    }
+    for (int b = 0; b < W.cols / QK; b++)
+        for (int n = 0; n < NT; n++) block_pass<FMT, G, MEM, PREFETCH_AHEAD>(A, walks[n], b, tok0, vacc[n], ahead);
+    for (int n = 0; n < NT; n++)
+        for (int t = 0; t < G; t++) _mm512_store_ps(acc[n][tok0 + t], vacc[n][t]);
+}
+
+// NT tiles side by side (stream_groups), all K tokens. More than 8 tokens take the tiles in two
+// groups, the second reading the tiles' weights again from cache, because in one group up to
+// 16 accumulators beside a block's 8 weight registers crowd the 32 registers and the compiler
+// spills them (docs/tuning.md).
+template <int FMT, int K, bool MEM, int NT>
+static void tile_group(const PackedMat& W, const QActs& A, float* y, int64_t ldy, const int* tiles,
+                       const StreamAhead& ahead) {
+    constexpr int G1 = K <= 8 ? K : (K + 1) / 2, G2 = K - G1;
+    alignas(64) float acc[NT][K][TILE];
+    tile_pass<FMT, K, G1, MEM, true, NT>(W, A, tiles, 0, acc, ahead);
+    if constexpr (G2 > 0) tile_pass<FMT, K, G2, MEM, false, NT>(W, A, tiles, G1, acc, ahead);
+    for (int n = 0; n < NT; n++) store_tile(W, y, ldy, tiles[n], K, acc[n]);
+}
+
 template <int FMT, int K, bool MEM = false>
 static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1, const Tuning& tn) {
-    constexpr int G1 = K <= 8 ? K : (K + 1) / 2, G2 = K - G1;
+    static_assert(MAX_STREAMS == 4, "a group of each stream count the tuning allows");
     const StreamAhead ahead(FMT, stream_bound(FMT, K, tn), tn);
-    alignas(64) float acc[K][TILE];
-    for (int tile = t0; tile < t1; tile++) {
-        tile_pass<FMT, G1, MEM, true>(W, A, tile, 0, acc, ahead);
-        if constexpr (G2 > 0) tile_pass<FMT, G2, MEM, false>(W, A, tile, G1, acc + G1, ahead);
-        store_tile(W, y, ldy, tile, K, acc);
-    }
+    stream_groups(t0, t1, streams(FMT, tn), [&](const int* tiles, int n) {
+        if (n == 4) tile_group<FMT, K, MEM, 4>(W, A, y, ldy, tiles, ahead);
+        else if (n == 2) tile_group<FMT, K, MEM, 2>(W, A, y, ldy, tiles, ahead);
+        else tile_group<FMT, K, MEM, 1>(W, A, y, ldy, tiles, ahead);
+    });
 }
 
 using TunedFn = void (*)(const PackedMat&, const QActs&, float*, int64_t, int, int, const Tuning&);

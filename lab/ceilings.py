@@ -9,7 +9,7 @@ import numpy as np
 
 from . import kernels, native
 from .machine import machine
-from .protocol import READ_AHEAD, flat, interleave, read_buffer, summary
+from .protocol import READ_LOOPS, flat, interleave, read_buffer, summary
 
 
 def _thread_counts(threads) -> list[int]:
@@ -23,9 +23,10 @@ def _time(fn, reps: int) -> list[float]:
     return list(secs)
 
 
-# The read loops, each its own kind (lab.protocol.READ_AHEAD: plain loads, and each line asked
-# for that many bytes ahead): where the requests read more, the chart shows it.
-READ_KINDS = {("read" if a == 0 else f"read, {a} B ahead"): a for a in READ_AHEAD}
+# The read loops, each its own kind (lab.protocol.READ_LOOPS: plain loads, each line asked for
+# that many bytes ahead, a thread's slice in two streams): where one reads more, the chart shows it.
+READ_KINDS = {", ".join(["read"] + ([f"{a} B ahead"] if a else []) + ([f"{s} streams"] if s > 1 else [])): (a, s)
+              for a, s in READ_LOOPS}
 
 
 def bandwidth(threads=None, mb: int = 512, rounds: int = 5, reps: int = 4) -> dict:
@@ -43,8 +44,9 @@ def bandwidth(threads=None, mb: int = 512, rounds: int = 5, reps: int = 4) -> di
     cands = {}
     for t, pool in pools.items():
         p = pool._pool
-        for kind, ahead in READ_KINDS.items():
-            cands[f"{kind}/{t}"] = lambda p=p, a=ahead: _time(lambda s: ns.bench_read(buf, nbytes, p, reps, s, a), reps)
+        for kind, (ahead, streams) in READ_KINDS.items():
+            cands[f"{kind}/{t}"] = lambda p=p, a=ahead, st=streams: _time(
+                lambda s: ns.bench_read(buf, nbytes, p, reps, s, a, st), reps)
         cands[f"copy/{t}"] = lambda p=p: _time(lambda s: ns.bench_copy(a, b, n, p, reps, s), reps)
         cands[f"triad/{t}"] = lambda p=p: _time(lambda s: ns.bench_triad(a, b, c, n, p, reps, s), reps)
     for fn in cands.values():                         # warm-up: page faults, frequency

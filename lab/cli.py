@@ -319,9 +319,10 @@ def _print_tune_ab(r: dict) -> None:
 
 
 def _print_bandwidth(r: dict) -> None:
-    print(f"{'kind':18s} {'threads':>7s} {'GB/s':>8s} {'IQR':>6s}")
+    w = max(len(x["kind"]) for x in r["results"])
+    print(f"{'kind':{w}s} {'threads':>7s} {'GB/s':>8s} {'IQR':>6s}")
     for x in sorted(r["results"], key=lambda x: (x["kind"], x["threads"])):
-        print(f"{x['kind']:18s} {x['threads']:7d} {x['gbps']:8.1f} {x['gbps_iqr']:6.1f}")
+        print(f"{x['kind']:{w}s} {x['threads']:7d} {x['gbps']:8.1f} {x['gbps_iqr']:6.1f}")
     print(f"read ceiling: {r['read_gbps']:.1f} GB/s (IQR {r['read_gbps_iqr']:.1f}) "
           f"at {r['threads']} threads, {r['buffer_mb']} MB buffer")
 

@@ -142,19 +142,20 @@ def round_trip_ns(pool: kernels.Pool, trips: int = 20_000) -> float | None:
     return float(native.lib().bench_round_trip(pool._pool, trips)) if pool.threads > 1 else None
 
 
-# The read loops the read ceiling is the fastest of: plain loads, and each line asked for into L1
-# this many bytes ahead. A ceiling a simple loop beats is no ceiling: on a Sapphire Rapids-class
-# Xeon the plain loop read 30.9 GB/s and one asking 1 KB ahead 34.1 (docs/tuning.md).
-READ_AHEAD = (0, 256, 1024)
+# The read loops the read ceiling is the fastest of, (bytes ahead, streams): plain loads, each line
+# asked for into L1 that many bytes ahead, and each thread's slice read in two streams. A ceiling
+# a simple loop beats is no ceiling: on a Sapphire Rapids-class Xeon the plain loop read 30.9 GB/s,
+# one asking 1 KB ahead 34.1, and one core read two streams faster than one (docs/tuning.md).
+READ_LOOPS = ((0, 1), (256, 1), (1024, 1), (1024, 2))
 
 
 def read_passes(buf: np.ndarray, nbytes: int, pool, reps: int) -> list[float]:
     """Seconds of `reps` read passes over buf[:nbytes] on the pool (a kernels.Pool's C++ pool):
-    those of the READ_AHEAD loop with the lowest median."""
+    those of the READ_LOOPS loop with the lowest median."""
     ns, runs = native.lib(), []
-    for ahead in READ_AHEAD:
+    for ahead, streams in READ_LOOPS:
         secs = np.zeros(reps)
-        ns.bench_read(buf, nbytes, pool, reps, secs, ahead)
+        ns.bench_read(buf, nbytes, pool, reps, secs, ahead, streams)
         runs.append(list(secs))
     return min(runs, key=lambda secs: float(np.median(secs)))
 

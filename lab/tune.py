@@ -3,7 +3,7 @@
 The choices (the C++ `Tuning`, kernels_cpp/lab.h): the SIMD kernels' prefetch distances for
 one token (per format) and for k >= 2, whether 1, 2, 3 and 4 tokens take the single-token scheme
 (per format), whether the AVX-512 kernel's 2- and 4-token accumulators go through memory (per
-format), the matrix size from which the matmul split turns from static halves to guided shares,
+format), how many streams each format's kernels read a thread's share in, the matrix size from which the matmul split turns from static halves to guided shares,
 and the guided split's smallest share (both judged on quiet cores and with one core shared with
 a co-runner, lab.slowcore, keeping the value that holds up on both; the single-token stages
 likewise on every thread and on one). None of them changes a result (tests/test_tune.py checks
@@ -41,10 +41,11 @@ SINGLE_K = (1, 2, 3, 4)  # the token counts whose prefetch scheme is chosen, per
 SINGLE = {f"{fmt}_single_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in SINGLE_K}   # field -> what it moves
 MEM_ACC = {f"{fmt}_mem_acc_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in (2, 4)}      # the AVX-512 path's only
 FLAGS = (*SINGLE, *MEM_ACC)      # the yes/no fields
+STREAMS = {f"{fmt}_streams": fmt for fmt in ("q4", "q8")}      # field -> its format
 # k >= 2: each format's (into L1, into L2) distance fields, and its stage
 MULTI = {"q4": ("prefetch_l1_k", "prefetch_l2_k"), "q8": ("prefetch_l1_k_q8", "prefetch_l2_k_q8")}
 MULTI_STAGE = {"q4": "prefetch_k", "q8": "prefetch_k_q8"}
-FIELDS = ("prefetch_k1", "prefetch_k1_q8", *MULTI["q4"], *MULTI["q8"], *FLAGS, "guided_min_bytes",
+FIELDS = ("prefetch_k1", "prefetch_k1_q8", *MULTI["q4"], *MULTI["q8"], *FLAGS, *STREAMS, "guided_min_bytes",
           "guided_from_bytes", "att_split_k", "att_kv_l2_k")
 MB = 1 << 20
 # What the tuner tries besides the default (which it always tries).
@@ -53,6 +54,8 @@ PREFETCH_K1 = (0, 2048, 4096, 8192, 16384)   # per format; 0: the hardware prefe
 PREFETCH_K = ((0, 8192), (0, 16384), (1024, 8192), (1024, 16384), (2048, 8192), (2048, 16384), (4096, 16384),
               (4096, 32768), (8192, 32768))
 MULTI_K = (4, 8)        # the token counts a multi-token distance is judged on: its stream binds at 4, arithmetic at 8
+STREAM_COUNTS = (1, 2, 4)   # per format, every one kernels_cpp/tune.cpp allows
+STREAMS_K = (1, 8)      # the token counts a stream count is judged on: decode's, and the most arithmetic's in one group
 GUIDED_FROM = (1 * MB, 2 * MB, 4 * MB, 8 * MB, 16 * MB)
 SPLIT_SIZES = (1 * MB, 2 * MB, 4 * MB, 8 * MB)   # the matrix sizes the split threshold is judged on
 GUIDED_MIN = (32 << 10, 64 << 10, 192 << 10, 384 << 10)
@@ -96,7 +99,7 @@ def moves(a: dict, b: dict, k: int) -> bool:
         if f in diff and k >= min(x[f] for x in (a, b) if x[f]):
             return True
     for fmt, k1 in (("q4", "prefetch_k1"), ("q8", "prefetch_k1_q8")):
-        if {f"{fmt}_single_k{k}", f"{fmt}_mem_acc_k{k}"} & diff:
+        if {f"{fmt}_single_k{k}", f"{fmt}_mem_acc_k{k}", f"{fmt}_streams"} & diff:
             return True
         flag = f"{fmt}_single_k{k}"
         single = flag in a and (a[flag] or b[flag])        # under either tuning
@@ -140,6 +143,7 @@ def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
         **{f: {str(v): {f: v} for v in vs} for f, vs in k1.items()},
         **{MULTI_STAGE[fmt]: {f"{a}/{b}": {l1: a, l2: b} for a, b in pairs[fmt]} for fmt, (l1, l2) in MULTI.items()},
         **{f: {str(v).lower(): {f: v} for v in (False, True)} for f in (*SINGLE, *MEM_ACC)},
+        **{f: {str(v): {f: v} for v in sorted({*STREAM_COUNTS, base[f]})} for f in STREAMS},
         "guided_from_bytes": {str(v): {"guided_from_bytes": v} for v in froms},
         "guided_min_bytes": {str(v): {"guided_min_bytes": v} for v in mins},
         "att_split_k": {str(v): {"att_split_k": v} for v in sorted({*ATT_SPLIT_K, base["att_split_k"]})},
@@ -440,13 +444,20 @@ SPLIT_TIMERS = {"guided_from_bytes": _threshold_times, "guided_min_bytes": _shar
 # The single-token stream's stages, timed on every thread and again on one, each round's ratio the
 # worse of the two: where the threads do not share one link to memory, as when a hypervisor
 # puts two vCPUs on different dies, each core's own memory parallelism binds (docs/tuning.md).
-# stage -> its format: each format's one-token distance, and its one-token scheme flag
+# stage -> its format: each format's one-token distance, its one-token scheme flag, and its
+# stream count (which moves every token count, and each core's memory parallelism above all)
 # The calls a one-token stream is timed in: the 4-bit body's as a layer's large matrices make them
 # (2-30 MB in the models the lab runs: in the 1.5B's 1.3-16 MB calls, the k >= 2 scheme for one
 # token took 0.973 of the pass's time, where one call over the whole walk read 0.979-0.982 and
 # failed MARGIN), the 8-bit output layer's in one call.
 STREAM_CALL = {"q4": 8 * MB, "q8": None}
-ONE_THREAD = {"prefetch_k1": "q4", "prefetch_k1_q8": "q8", **{f: fmt for f, (fmt, k) in SINGLE.items() if k == 1}}
+# A stream count's calls: its streams start afresh in every share of a call, and static halves
+# gained more from them than guided shares did, so the 4-bit body's are timed as a layer makes
+# them: small matrices in static halves (2 MB: the 1.5B's attention projections), large ones in
+# guided shares (16 MB: its MLP's). The 8-bit output layer's in one call.
+STREAMS_CALLS = {"q4": (2 * MB, 16 * MB), "q8": (None,)}
+ONE_THREAD = {"prefetch_k1": "q4", "prefetch_k1_q8": "q8", **{f: fmt for f, (fmt, k) in SINGLE.items() if k == 1},
+              **STREAMS}
 
 
 def single_ks(fmt: str, values: dict) -> list[int]:
@@ -455,10 +466,17 @@ def single_ks(fmt: str, values: dict) -> list[int]:
     return [k for k in SINGLE_K if values[f"{fmt}_single_k{k}"]]
 
 
-def stream_ks(stage: str, base: dict) -> list[int]:
-    """The token counts a one-token stream's stage is timed at: a distance at every count that
-    runs its scheme (at one token where none does), the one-token scheme's own flag at one token."""
-    return [1] if stage in SINGLE else single_ks(ONE_THREAD[stage], base) or [1]
+def stream_timings(stage: str, base: dict) -> list[tuple[tuple[int, int | None], ...]]:
+    """The timings a one-token stream's stage takes, each the walks (tokens, call bytes) summed in
+    it: a distance at every count that runs its scheme (at one token where none does) and the
+    one-token scheme's own flag at one token, in STREAM_CALL's calls; a stream count in one timing
+    of STREAMS_K in STREAMS_CALLS' calls (each timing's ratio is a worst-of term, and a worst of
+    more noisy terms read a true 0.955 as 0.98)."""
+    fmt = ONE_THREAD[stage]
+    if stage in STREAMS:
+        return [tuple((k, call) for k in STREAMS_K for call in STREAMS_CALLS[fmt])]
+    ks = [1] if stage in SINGLE else single_ks(fmt, base) or [1]
+    return [((k, STREAM_CALL[fmt]),) for k in ks]
 
 
 def _worse_of(timings: list[dict[str, list[float]]], default: str) -> dict[str, list[float]]:
@@ -470,7 +488,7 @@ def _worse_of(timings: list[dict[str, list[float]]], default: str) -> dict[str, 
 def _bar_rounds(stage: str, rounds: int, threads: int = 1, base: dict | None = None) -> int:
     """The progress bar's rounds for one timing of a stage's candidates on `threads` threads."""
     if stage in ONE_THREAD:
-        return rounds * len(stream_ks(stage, base or defaults())) * (2 if threads > 1 else 1)
+        return rounds * len(stream_timings(stage, base or defaults())) * (2 if threads > 1 else 1)
     return rounds * (2 if stage in SPLIT_TIMERS else 1)
 
 
@@ -485,11 +503,12 @@ def _times(stage: str, cands: dict[str, dict], b: _Bench, base: dict, rounds: in
 
 
 def _stream_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
-    """A one-token stream stage's ratios to the default per round: the worst over the token counts
-    it moves (stream_ks), each on every thread and on one, in its format's calls (STREAM_CALL)."""
+    """A one-token stream stage's ratios to the default per round: the worst over its timings
+    (stream_timings), each on every thread and on one."""
     timings, fmt = [], ONE_THREAD[stage]
-    for k in stream_ks(stage, base):
-        fns = {n: (lambda sets=sets, k=k: (apply({**base, **sets}), b.matmul(fmt, k, STREAM_CALL[fmt]))[1])
+    for walks in stream_timings(stage, base):
+        fns = {n: (lambda sets=sets, walks=walks: (apply({**base, **sets}),
+                                                    _summed(b.matmul(fmt, k, call) for k, call in walks))[1])
                for n, sets in cands.items()}
         timings.append(_per_round(fns, rounds, bar))
         if b.pool.threads > 1:

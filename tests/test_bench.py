@@ -74,19 +74,20 @@ def test_attention_bench_runs_every_path_and_refuses_bad_shapes(path):
 
 
 def test_the_read_ceiling_is_the_fastest_read_loop(monkeypatch):
-    """Each READ_AHEAD loop runs on the real buffer; the passes kept are those of the loop with
+    """Each READ_LOOPS loop runs on the real buffer; the passes kept are those of the loop with
     the lowest median, whichever it is."""
     buf, _owner = protocol.read_buffer(4 << 20)
     pool, ns = Pool(1), native.lib()
-    for ahead in protocol.READ_AHEAD:
+    for ahead, streams in protocol.READ_LOOPS:
         secs = np.zeros(2)
-        ns.bench_read(buf, buf.size, pool._pool, 2, secs, ahead)
-        assert (secs > 0).all(), ahead
-    for fastest in protocol.READ_AHEAD:
+        assert ns.bench_read(buf, buf.size, pool._pool, 2, secs, ahead, streams) == 0
+        assert (secs > 0).all(), (ahead, streams)
+    assert ns.bench_read(buf, buf.size, pool._pool, 2, secs, 0, 3) == 1      # no such loop
+    for fastest in protocol.READ_LOOPS:
         class Fake:
             @staticmethod
-            def bench_read(b, n, p, reps, secs, ahead, fastest=fastest):
-                secs[:] = [1.0, 3.0, 2.0] if ahead == fastest else [2.5, 2.0, 9.0]
+            def bench_read(b, n, p, reps, secs, ahead, streams, fastest=fastest):
+                secs[:] = [1.0, 3.0, 2.0] if (ahead, streams) == fastest else [2.5, 2.0, 9.0]
         monkeypatch.setattr(native, "lib", lambda: Fake)
         assert protocol.read_passes(buf, buf.size, None, 3) == [1.0, 3.0, 2.0], fastest
 

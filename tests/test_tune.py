@@ -73,6 +73,9 @@ def test_out_of_range_values_are_refused(restore):
     for field in ("prefetch_k1", "prefetch_k1_q8"):
         with pytest.raises(ValueError, match="out of range"):
             tune.apply({field: -64})
+    for streams in (0, 3, 8):       # the kernels read a share in 1, 2 or 4 streams
+        with pytest.raises(ValueError, match="out of range"):
+            tune.apply({"q4_streams": streams})
     with pytest.raises(ValueError, match="unknown"):
         tune.apply({"prefetch": 4096})
     assert tune.current() == tune.defaults()
@@ -320,6 +323,7 @@ def test_moves_says_which_passes_a_change_can_touch():
         (("prefetch_l1_k_q8", 4096),): {3, 4, 8},                # 8-bit at 2 is single-token here
         (("q8_mem_acc_k2", False),): {2},
         (("q4_single_k3", True),): {3},
+        (("q8_streams", 4),): {1, 2, 3, 4, 8},                   # a stream count moves every token count
         (("guided_from_bytes", 1 << 20),): {1, 2, 3, 4, 8},
         (("att_split_k", 8),): {8},                              # attention's tasks from 8 tokens
         (("att_kv_l2_k", 2),): {2, 3, 4, 8},                     # attention's requests from 2 tokens
@@ -404,7 +408,7 @@ def test_a_single_token_distance_is_judged_at_every_token_count_it_moves(restore
         return {n: [(0.95 if fn()[0] == 1 else 1.1) if n == other else 1.0] * rounds for n, fn in fns.items()}
     monkeypatch.setattr(tune, "_per_round", per_round)
     assert tune.single_ks("q8", base) == [1, 2]
-    assert tune.stream_ks("prefetch_k1_q8", {**base, "q8_single_k1": False, "q8_single_k2": False}) == [1]
+    assert tune.stream_timings("prefetch_k1_q8", {**base, "q8_single_k1": False, "q8_single_k2": False}) == [((1, None),)]
     times = tune._times("prefetch_k1_q8", cands, b, base, 3, None)
     assert times[other] == [pytest.approx(1.1)] * 3
     assert tune._pick(times, default)[0] == default
@@ -431,3 +435,22 @@ def test_a_one_token_stream_is_timed_in_its_format_s_calls(restore, monkeypatch)
     for stage in ("prefetch_k1", "q4_single_k1", "prefetch_k1_q8", "q8_single_k1"):
         tune._times(stage, tune.candidates()[stage], b, tune.defaults(), 1, None)
     assert {fmt: call for fmt, call in seen} == {"q4": tune.STREAM_CALL["q4"], "q8": None}
+
+
+def test_a_stream_count_is_judged_on_one_timing_of_one_and_eight_tokens(restore, monkeypatch):
+    """A stream count moves every token count and every call: one timing sums one-token and
+    eight-token walks in calls a layer makes, so a count that wins at one token but loses more at
+    eight loses."""
+    cands = tune.candidates()["q4_streams"]
+    assert set(cands) == {str(n) for n in tune.STREAM_COUNTS} and tune.STREAMS_K == (1, 8)
+    b, seen = tune._Bench(1, 1, 1), []
+    monkeypatch.setattr(b, "matmul", lambda fmt, k, call: seen.append((fmt, k, call)) or [float(k)])
+
+    def per_round(fns, rounds, bar):
+        return {n: [fn()[0] * (0.5 if n == "4" else 1.0)] * rounds for n, fn in fns.items()}
+    monkeypatch.setattr(tune, "_per_round", per_round)
+    times = tune._times("q4_streams", cands, b, tune.defaults(), 2, None)
+    calls = tune.STREAMS_CALLS["q4"]
+    assert sorted(seen[:4]) == sorted(("q4", k, call) for k in (1, 8) for call in calls)   # one candidate's timing
+    assert times == {"1": [1.0, 1.0], "2": [1.0, 1.0], "4": [0.5, 0.5]}   # ratios of 18 "seconds" each
+    assert tune._bar_rounds("q4_streams", 3, 2) == 6
