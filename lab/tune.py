@@ -139,11 +139,11 @@ def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
     pairs = {fmt: sorted({*PREFETCH_K, (base[l1], base[l2])}) for fmt, (l1, l2) in MULTI.items()}
     froms = sorted({*GUIDED_FROM, base["guided_from_bytes"]})
     mins = sorted({*GUIDED_MIN, base["guided_min_bytes"]})
-    return {
+    return {   # in the order they are timed: the stream counts first, the distances for those streams
+        **{f: {str(v): {f: v} for v in sorted({*STREAM_COUNTS, base[f]})} for f in STREAMS},
         **{f: {str(v): {f: v} for v in vs} for f, vs in k1.items()},
         **{MULTI_STAGE[fmt]: {f"{a}/{b}": {l1: a, l2: b} for a, b in pairs[fmt]} for fmt, (l1, l2) in MULTI.items()},
         **{f: {str(v).lower(): {f: v} for v in (False, True)} for f in (*SINGLE, *MEM_ACC)},
-        **{f: {str(v): {f: v} for v in sorted({*STREAM_COUNTS, base[f]})} for f in STREAMS},
         "guided_from_bytes": {str(v): {"guided_from_bytes": v} for v in froms},
         "guided_min_bytes": {str(v): {"guided_min_bytes": v} for v in mins},
         "att_split_k": {str(v): {"att_split_k": v} for v in sorted({*ATT_SPLIT_K, base["att_split_k"]})},
