@@ -8,6 +8,7 @@
 // and k single-token calls, and any split of the tiles over threads (docs/science.md §3).
 #include <immintrin.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstring>
@@ -312,14 +313,18 @@ __attribute__((always_inline)) static inline void block_pass(const QActs& A, Blo
 template <int FMT, int K, int G, bool MEM, bool PREFETCH_AHEAD, int NT>
 static inline void tile_pass(const PackedMat& W, const QActs& A, const int* tiles, int tok0, float (*acc)[K][TILE],
                              const StreamAhead& ahead) {
+    // every loop over the streams unrolled whole, or the accumulators and walks stay in memory
     __m512 vacc[NT][G];
     BlockWalk<FMT> walks[NT];
+#pragma GCC unroll 4
     for (int n = 0; n < NT; n++) {
         walks[n] = BlockWalk<FMT>(W, tiles[n]);
         for (int t = 0; t < G; t++) vacc[n][t] = _mm512_setzero_ps();
     }
     for (int b = 0; b < W.cols / QK; b++)
+#pragma GCC unroll 4
         for (int n = 0; n < NT; n++) block_pass<FMT, G, MEM, PREFETCH_AHEAD>(A, walks[n], b, tok0, vacc[n], ahead);
+#pragma GCC unroll 4
     for (int n = 0; n < NT; n++)
         for (int t = 0; t < G; t++) _mm512_store_ps(acc[n][tok0 + t], vacc[n][t]);
 }
@@ -341,10 +346,14 @@ static void tile_group(const PackedMat& W, const QActs& A, float* y, int64_t ldy
 template <int FMT, int K, bool MEM = false>
 static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1, const Tuning& tn) {
     static_assert(MAX_STREAMS == 4, "a group of each stream count the tuning allows");
+    // a stream's accumulators for each token stay in registers beside a block's 8 weights:
+    // past four tokens, four streams' would spill them, so at most two
+    constexpr int MOST = K <= 4 ? 4 : 2;
     const StreamAhead ahead(FMT, stream_bound(FMT, K, tn), tn);
-    stream_groups(t0, t1, streams(FMT, tn), [&](const int* tiles, int n) {
-        if (n == 4) tile_group<FMT, K, MEM, 4>(W, A, y, ldy, tiles, ahead);
-        else if (n == 2) tile_group<FMT, K, MEM, 2>(W, A, y, ldy, tiles, ahead);
+    stream_groups(t0, t1, std::min(streams(FMT, tn), MOST), [&](const int* tiles, int n) {
+        if constexpr (MOST == 4)
+            if (n == 4) return tile_group<FMT, K, MEM, 4>(W, A, y, ldy, tiles, ahead);
+        if (n == 2) tile_group<FMT, K, MEM, 2>(W, A, y, ldy, tiles, ahead);
         else tile_group<FMT, K, MEM, 1>(W, A, y, ldy, tiles, ahead);
     });
 }
