@@ -49,7 +49,7 @@ FIELDS = ("prefetch_k1", "prefetch_k1_q8", *MULTI["q4"], *MULTI["q8"], *FLAGS, *
           "guided_from_bytes", "att_split_k", "att_kv_l2_k")
 MB = 1 << 20
 # What the tuner tries besides the default (which it always tries).
-PREFETCH_K1 = (0, 2048, 4096, 8192, 16384)   # per format; 0: the hardware prefetcher alone
+PREFETCH_K1 = (0, 1024, 2048, 4096, 8192, 16384)   # per format; 0: the hardware prefetcher alone
 # k >= 2: (into L1, into L2); 0 into L1 leaves the near lines to the hardware prefetcher
 PREFETCH_K = ((0, 8192), (0, 16384), (1024, 8192), (1024, 16384), (2048, 8192), (2048, 16384), (4096, 16384),
               (4096, 32768), (8192, 32768))
