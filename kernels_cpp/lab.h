@@ -100,7 +100,7 @@ constexpr int ATT_WINDOW_BLOCK = 32;
 // split tiles over threads; whatever changes arithmetic order stays fixed per kernel path.
 // ----------------------------------------------------------------------------
 
-constexpr int MAX_STREAMS = 4;     // the most streams a kernel reads a share in (Tuning)
+constexpr int MAX_STREAMS = 4;     // a kernel reads a share in a power of two of streams up to this (Tuning)
 
 struct Tuning {
     // The SIMD kernels ask for their weight stream this far ahead, in bytes of a 4-bit stream
@@ -119,8 +119,8 @@ struct Tuning {
     // each block rather than stay in registers: stream-bound cases where a machine first
     // measured ran faster that way (docs/tuning.md).
     bool q4_mem_acc_k2 = true, q4_mem_acc_k4 = false, q8_mem_acc_k2 = true, q8_mem_acc_k4 = true;
-    // How many streams a SIMD kernel reads a thread's share in, per format: 1, 2 or 4 equal
-    // parts of its tiles, a block of each in turn. One core keeps more lines in flight over
+    // How many streams a SIMD kernel reads a thread's share in, per format: 1, 2 or 4
+    // (MAX_STREAMS) equal parts of its tiles, a block of each in turn. One core keeps more lines in flight over
     // several streams than over one (docs/tuning.md).
     int q4_streams = 1, q8_streams = 1;
     int64_t guided_min_bytes = 96 << 10;    // the smallest guided share

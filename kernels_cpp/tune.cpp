@@ -32,7 +32,7 @@ int set_tuning(const Tuning& t) {
     for (int d : {t.prefetch_k1, t.prefetch_k1_q8, t.prefetch_l1_k, t.prefetch_l2_k, t.prefetch_l1_k_q8,
                   t.prefetch_l2_k_q8})
         ok = ok && d >= 0 && d <= FAR;
-    for (int n : {t.q4_streams, t.q8_streams}) ok = ok && (n == 1 || n == 2 || n == MAX_STREAMS);
+    for (int n : {t.q4_streams, t.q8_streams}) ok = ok && n >= 1 && n <= MAX_STREAMS && (n & (n - 1)) == 0;
     if (!ok) return 1;
     in_force() = t;
     return 0;

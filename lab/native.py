@@ -138,7 +138,8 @@ def consts() -> SimpleNamespace:
         archs={"qwen3": int(ns.ARCH_QWEN3), "qwen2": int(ns.ARCH_QWEN2), "llama": int(ns.ARCH_LLAMA)},
         attention={"f32": int(ns.ATT_F32), "bf16": int(ns.ATT_BF16), "amx": int(ns.ATT_AMX)},
         file_version=int(ns.MODEL_FILE_VERSION),
-        window_block=int(ns.ATT_WINDOW_BLOCK))
+        window_block=int(ns.ATT_WINDOW_BLOCK),
+        max_streams=int(ns.MAX_STREAMS))
 
 
 def _path_names(ns) -> tuple[str, ...]:

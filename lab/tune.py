@@ -3,8 +3,9 @@
 The choices (the C++ `Tuning`, kernels_cpp/lab.h): the SIMD kernels' prefetch distances for
 one token (per format) and for k >= 2, whether 1, 2, 3 and 4 tokens take the single-token scheme
 (per format), whether the AVX-512 kernel's 2- and 4-token accumulators go through memory (per
-format), how many streams each format's kernels read a thread's share in, the matrix size from which the matmul split turns from static halves to guided shares,
-and the guided split's smallest share (both judged on quiet cores and with one core shared with
+format), how many streams each format's kernels read a thread's share in, the matrix size from
+which the matmul split turns from static halves to guided shares, and the guided split's smallest
+share (both judged on quiet cores and with one core shared with
 a co-runner, lab.slowcore, keeping the value that holds up on both; the single-token stages
 likewise on every thread and on one). None of them changes a result (tests/test_tune.py checks
 every candidate bit for bit); the choices that change arithmetic order stay fixed per kernel path.
@@ -54,7 +55,6 @@ PREFETCH_K1 = (0, 1024, 2048, 4096, 8192, 16384)   # per format; 0: the hardware
 PREFETCH_K = ((0, 8192), (0, 16384), (1024, 8192), (1024, 16384), (2048, 8192), (2048, 16384), (4096, 16384),
               (4096, 32768), (8192, 32768))
 MULTI_K = (4, 8)        # the token counts a multi-token distance is judged on: its stream binds at 4, arithmetic at 8
-STREAM_COUNTS = (1, 2, 4)   # per format, every one kernels_cpp/tune.cpp allows
 STREAMS_K = (1, 8)      # the token counts a stream count is judged on: decode's, and the most arithmetic's in one group
 GUIDED_FROM = (1 * MB, 2 * MB, 4 * MB, 8 * MB, 16 * MB)
 SPLIT_SIZES = (1 * MB, 2 * MB, 4 * MB, 8 * MB)   # the matrix sizes the split threshold is judged on
@@ -132,6 +132,11 @@ def apply(values: dict, ns=None) -> None:
         raise ValueError(f"tuning values out of range: {values}")
 
 
+def stream_counts() -> tuple[int, ...]:
+    """Every stream count the kernels take: the powers of two up to MAX_STREAMS (kernels_cpp/lab.h)."""
+    return tuple(1 << i for i in range(native.consts().max_streams.bit_length()))
+
+
 def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
     """Per stage, each candidate's label -> the fields it sets; every value the tuner can pick."""
     base = base or defaults()
@@ -140,7 +145,7 @@ def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
     froms = sorted({*GUIDED_FROM, base["guided_from_bytes"]})
     mins = sorted({*GUIDED_MIN, base["guided_min_bytes"]})
     return {   # in the order they are timed: the stream counts first, the distances for those streams
-        **{f: {str(v): {f: v} for v in sorted({*STREAM_COUNTS, base[f]})} for f in STREAMS},
+        **{f: {str(v): {f: v} for v in sorted({*stream_counts(), base[f]})} for f in STREAMS},
         **{f: {str(v): {f: v} for v in vs} for f, vs in k1.items()},
         **{MULTI_STAGE[fmt]: {f"{a}/{b}": {l1: a, l2: b} for a, b in pairs[fmt]} for fmt, (l1, l2) in MULTI.items()},
         **{f: {str(v).lower(): {f: v} for v in (False, True)} for f in (*SINGLE, *MEM_ACC)},
@@ -470,8 +475,8 @@ def stream_timings(stage: str, base: dict) -> list[tuple[tuple[int, int | None],
     """The timings a one-token stream's stage takes, each the walks (tokens, call bytes) summed in
     it: a distance at every count that runs its scheme (at one token where none does) and the
     one-token scheme's own flag at one token, in STREAM_CALL's calls; a stream count in one timing
-    of STREAMS_K in STREAMS_CALLS' calls (each timing's ratio is a worst-of term, and a worst of
-    more noisy terms read a true 0.955 as 0.98)."""
+    of STREAMS_K in STREAMS_CALLS' calls (each timing's ratio is a worst-of term, and the worst of
+    more noisy terms overstates the true ratio)."""
     fmt = ONE_THREAD[stage]
     if stage in STREAMS:
         return [tuple((k, call) for k in STREAMS_K for call in STREAMS_CALLS[fmt])]
