@@ -346,8 +346,8 @@ static void tile_group(const PackedMat& W, const QActs& A, float* y, int64_t ldy
 template <int FMT, int K, bool MEM = false>
 static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1, const Tuning& tn) {
     static_assert(MAX_STREAMS == 4, "a group of each stream count the tuning allows");
-    // a stream's accumulators for each token stay in registers beside a block's 8 weights:
-    // past four tokens, four streams' would spill them, so at most two
+    // each stream keeps an accumulator a token beside a block's 8 weight registers: past four
+    // tokens two streams already spill some, and still read faster from memory (docs/tuning.md)
     constexpr int MOST = K <= 4 ? 4 : 2;
     const StreamAhead ahead(FMT, stream_bound(FMT, K, tn), tn);
     stream_groups(t0, t1, std::min(streams(FMT, tn), MOST), [&](const int* tiles, int n) {
