@@ -21,24 +21,31 @@ struct alignas(64) Slot {
     uint64_t v = 0;
 };
 
-// A pass must not be optimised away: every path folds what it read into a checksum. A loop
-// reads its bytes in S streams: S equal parts (whole steps of the loop), a step of each in turn,
-// and what is left after them in one.
+// Calls step(q) on each STEP bytes of [p, p + n) in S streams: S equal parts (whole steps), a
+// step of each in turn, then what is left in one. Each path's loop passes its own step, defined
+// under its target, so the step's loads and requests are that path's.
+template <int S, int STEP, class F>
+__attribute__((always_inline)) inline void in_streams(const uint8_t* p, int64_t n, F&& step) {
+    const int64_t part = n / S / STEP * STEP;
+    for (int64_t i = 0; i + STEP <= part; i += STEP)
+        for (int s = 0; s < S; s++) step(p + s * part + i);
+    for (int64_t i = S * part; i + STEP <= n; i += STEP) step(p + i);
+}
+
+// A pass must not be optimised away: every path folds what it read into a checksum. With
+// `ahead`, each line is asked for into L1 that many bytes before it is read.
 template <int S>
 uint64_t read_scalar(const uint8_t* p, int64_t n, int64_t ahead) {
     uint64_t a = 0, b = 0;
-    const int64_t part = n / S / 16 * 16;
-    for (int64_t i = 0; i + 16 <= part; i += 16)
-        for (int s = 0; s < S; s++) {
-            const uint8_t* q = p + s * part + i;
-            uint64_t x, y;
-            if (ahead && i % 64 == 0) __builtin_prefetch(q + ahead, 0, 3);
-            std::memcpy(&x, q, 8);
-            std::memcpy(&y, q + 8, 8);
-            a ^= x;
-            b += y;
-        }
-    return (a ^ b) + (S > 1 ? read_scalar<1>(p + S * part, n - S * part, ahead) : 0);
+    in_streams<S, 16>(p, n, [&](const uint8_t* q) {
+        uint64_t x, y;
+        if (ahead && (uintptr_t)q % 64 == 0) __builtin_prefetch(q + ahead, 0, 3);
+        std::memcpy(&x, q, 8);
+        std::memcpy(&y, q + 8, 8);
+        a ^= x;
+        b += y;
+    });
+    return a ^ b;
 }
 
 #pragma GCC push_options
@@ -46,22 +53,18 @@ uint64_t read_scalar(const uint8_t* p, int64_t n, int64_t ahead) {
 template <int S>
 uint64_t read_avx2(const uint8_t* p, int64_t n, int64_t ahead) {
     __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
-    const int64_t part = n / S / 128 * 128;
-    for (int64_t i = 0; i + 128 <= part; i += 128)
-        for (int s = 0; s < S; s++) {
-            const uint8_t* q = p + s * part + i;
-            if (ahead) {                    // each line `ahead` bytes before it is read, into L1
-                __builtin_prefetch(q + ahead, 0, 3);
-                __builtin_prefetch(q + ahead + 64, 0, 3);
-            }
-            a0 = _mm256_xor_si256(a0, _mm256_load_si256((const __m256i*)(q)));
-            a1 = _mm256_xor_si256(a1, _mm256_load_si256((const __m256i*)(q + 32)));
-            a2 = _mm256_xor_si256(a2, _mm256_load_si256((const __m256i*)(q + 64)));
-            a3 = _mm256_xor_si256(a3, _mm256_load_si256((const __m256i*)(q + 96)));
+    in_streams<S, 128>(p, n, [&](const uint8_t* q) {
+        if (ahead) {
+            __builtin_prefetch(q + ahead, 0, 3);
+            __builtin_prefetch(q + ahead + 64, 0, 3);
         }
+        a0 = _mm256_xor_si256(a0, _mm256_load_si256((const __m256i*)(q)));
+        a1 = _mm256_xor_si256(a1, _mm256_load_si256((const __m256i*)(q + 32)));
+        a2 = _mm256_xor_si256(a2, _mm256_load_si256((const __m256i*)(q + 64)));
+        a3 = _mm256_xor_si256(a3, _mm256_load_si256((const __m256i*)(q + 96)));
+    });
     const __m256i x = _mm256_xor_si256(_mm256_xor_si256(a0, a1), _mm256_xor_si256(a2, a3));
-    return ((uint64_t)_mm256_extract_epi64(x, 0) ^ (uint64_t)_mm256_extract_epi64(x, 3)) +
-           (S > 1 ? read_avx2<1>(p + S * part, n - S * part, ahead) : 0);
+    return (uint64_t)_mm256_extract_epi64(x, 0) ^ (uint64_t)_mm256_extract_epi64(x, 3);
 }
 #pragma GCC pop_options
 
@@ -70,19 +73,16 @@ uint64_t read_avx2(const uint8_t* p, int64_t n, int64_t ahead) {
 template <int S>
 uint64_t read_avx512(const uint8_t* p, int64_t n, int64_t ahead) {
     __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0;
-    const int64_t part = n / S / 256 * 256;
-    for (int64_t i = 0; i + 256 <= part; i += 256)
-        for (int s = 0; s < S; s++) {
-            const uint8_t* q = p + s * part + i;
-            if (ahead)
-                for (int j = 0; j < 256; j += 64) __builtin_prefetch(q + ahead + j, 0, 3);
-            a0 = _mm512_xor_si512(a0, _mm512_load_si512(q));
-            a1 = _mm512_xor_si512(a1, _mm512_load_si512(q + 64));
-            a2 = _mm512_xor_si512(a2, _mm512_load_si512(q + 128));
-            a3 = _mm512_xor_si512(a3, _mm512_load_si512(q + 192));
-        }
+    in_streams<S, 256>(p, n, [&](const uint8_t* q) {
+        if (ahead)
+            for (int j = 0; j < 256; j += 64) __builtin_prefetch(q + ahead + j, 0, 3);
+        a0 = _mm512_xor_si512(a0, _mm512_load_si512(q));
+        a1 = _mm512_xor_si512(a1, _mm512_load_si512(q + 64));
+        a2 = _mm512_xor_si512(a2, _mm512_load_si512(q + 128));
+        a3 = _mm512_xor_si512(a3, _mm512_load_si512(q + 192));
+    });
     const __m512i x = _mm512_xor_si512(_mm512_xor_si512(a0, a1), _mm512_xor_si512(a2, a3));
-    return (uint64_t)_mm512_reduce_add_epi64(x) + (S > 1 ? read_avx512<1>(p + S * part, n - S * part, ahead) : 0);
+    return (uint64_t)_mm512_reduce_add_epi64(x);
 }
 #pragma GCC pop_options
 

@@ -120,8 +120,8 @@ struct Tuning {
     // measured ran faster that way (docs/tuning.md).
     bool q4_mem_acc_k2 = true, q4_mem_acc_k4 = false, q8_mem_acc_k2 = true, q8_mem_acc_k4 = true;
     // How many streams a SIMD kernel reads a thread's share in, per format: 1, 2 or 4
-    // (MAX_STREAMS) equal parts of its tiles, a block of each in turn. One core keeps more lines in flight over
-    // several streams than over one (docs/tuning.md).
+    // (MAX_STREAMS) equal parts of its tiles, a block of each in turn. One core kept more lines
+    // in flight over several streams than over one (docs/tuning.md).
     int q4_streams = 1, q8_streams = 1;
     int64_t guided_min_bytes = 96 << 10;    // the smallest guided share
     int64_t guided_from_bytes = 4 << 20;    // smaller matrices go in static halves

@@ -5,9 +5,9 @@ one token (per format) and for k >= 2, whether 1, 2, 3 and 4 tokens take the sin
 (per format), whether the AVX-512 kernel's 2- and 4-token accumulators go through memory (per
 format), how many streams each format's kernels read a thread's share in, the matrix size from
 which the matmul split turns from static halves to guided shares, and the guided split's smallest
-share (both judged on quiet cores and with one core shared with
-a co-runner, lab.slowcore, keeping the value that holds up on both; the single-token stages
-likewise on every thread and on one). None of them changes a result (tests/test_tune.py checks
+share (both judged on quiet cores and with one core shared with a co-runner, lab.slowcore,
+keeping the value that holds up on both; the single-token stages likewise on every thread and
+on one). None of them changes a result (tests/test_tune.py checks
 every candidate bit for bit); the choices that change arithmetic order stay fixed per kernel path.
 
 `tune()` times each candidate against the default with the real kernels on a working set past the
