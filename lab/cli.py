@@ -802,9 +802,9 @@ def _add_tune(sub) -> None:
                                    "against the default (interleaved) and caches the choices beside the native "
                                    "build; the engine applies them on load (LAB_TUNE=0: the defaults).")
     t.add_argument("--json", action="store_true", help="print machine-readable results")
-    t.add_argument("--mb", type=_COUNT, default=256, metavar="N",
+    t.add_argument("--mb", type=_COUNT, default=64, metavar="N",
                    help="MB of each matrix timed at a time, cycling through matrices twice the last-level "
-                        "cache, so they stream from memory (default 256)")
+                        "cache, so they stream from memory (default 64)")
     g = t.add_argument_group("--ab: the cached tuning against the defaults on whole passes, alternating; "
                              "exits 1 when the tuned values are slower on any figure")
     g.add_argument("--ab", action="store_true", help="compare instead of tuning")

@@ -71,8 +71,6 @@ MARGIN = 0.98           # a candidate replaces the default at a median paired ti
                         # and only if it was faster in three rounds of four (upper quartile < 1)
                         # when timed alone against it; the first timing, of every candidate, only
                         # nominates the one with the lowest median, if that is this low
-AGAIN = 2               # the head-to-head timing's rounds, in multiples of the first's: two candidates
-                        # cost less a round, and a 2-3% difference needs the rounds on a shared bus
 CACHE_FORMAT = 1
 COLS = 2048             # the tuner's matrices: about a Qwen hidden size, so tiles are model-sized
 SLOW_DUTY = 0.5         # the split is judged with one core this busy with other work as well
@@ -522,14 +520,15 @@ def _stream_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rou
     return _worse_of(timings, _label(cands, base))
 
 
-def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
+def tune(progress: bool = True, mb: int = 64, rounds: int = 10, reps: int = 3,
          threads: int | None = None) -> dict:
     """Measures every stage's candidates on this machine and returns the values chosen, with each
     candidate's median time ratio to the default; the values in force are left as they were.
     The candidate with the lowest median ratio, if MARGIN or lower, is timed against the default
-    once more, alone, for AGAIN times the rounds, and kept only if it clearly wins there.
+    once more, alone, for as many rounds, and kept only if it clearly wins there.
     mb: the MB of each matrix timed at a time (cycled through a matrix past the last-level cache,
-    so the weights stream from memory)."""
+    so the weights stream from memory); 64 MB in 10 rounds chose as 256 MB in 15 did, in a
+    fifth of the time (docs/tuning.md)."""
     from tqdm import tqdm
     before = current()                          # builds the library first, if it must
     start = time.perf_counter()
@@ -549,9 +548,9 @@ def tune(progress: bool = True, mb: int = 256, rounds: int = 15, reps: int = 3,
                 _, measured[stage] = _pick(_times(stage, cands, b, base, rounds, bar), default)
                 chosen[stage] = _nominee(measured[stage], default)
                 if chosen[stage] != default:
-                    bar.total += _bar_rounds(stage, AGAIN * rounds, b.pool.threads, base)   # a nominee is timed once more
+                    bar.total += _bar_rounds(stage, rounds, b.pool.threads, base)   # a nominee is timed once more
                     pair = {n: cands[n] for n in (default, chosen[stage])}
-                    again, ratios = _pick(_times(stage, pair, b, base, AGAIN * rounds, bar), default)
+                    again, ratios = _pick(_times(stage, pair, b, base, rounds, bar), default)
                     confirmed[stage] = {"candidate": chosen[stage], **ratios[chosen[stage]]}
                     chosen[stage] = again
                 base.update(cands[chosen[stage]])
