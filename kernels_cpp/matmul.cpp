@@ -250,6 +250,22 @@ static inline __m512i dpbusd_bcst(__m512i s, __m512i w, const int8_t* a) {
     return s;
 }
 
+// Each token's per-block values, loaded where each stream uses them (LEAN below): as plain
+// broadcasts the compiler loads each once for all the streams of a group and keeps it, and
+// where registers run short it spills them. `volatile`, so no stream's load merges with another's.
+static inline __m512i bcst_load(const int32_t* p) {
+    __m512i r;
+    asm volatile("vpbroadcastd %1, %0" : "=v"(r) : "m"(*p));
+    return r;
+}
+
+// x + (*p in every lane) where m is set, 0 elsewhere: the broadcast in the add's own operand.
+static inline __m512i maskz_add_bcst(__mmask16 m, __m512i x, const int32_t* p) {
+    __m512i r;
+    asm("vpaddd %2%{1to16%}, %1, %0%{%3%}%{z%}" : "=v"(r) : "v"(x), "m"(*p), "Yk"(m));
+    return r;
+}
+
 // k is a template argument, so the accumulators stay in registers and the token loop
 // unrolls instead of loading and storing each accumulator per token and block. Some
 // stream-bound cases measured slower that way, so for 2 and 4 tokens the accumulators may go
@@ -263,8 +279,9 @@ static inline bool through_memory(int fmt, int k, const Tuning& tn) {
 }
 
 // One block of a tile for the G tokens from `tok0` on: vacc[t] += its products, and the walk on
-// to the next block. Always inlined, so the accumulators stay in registers.
-template <int FMT, int G, bool MEM, bool PREFETCH_AHEAD>
+// to the next block. Always inlined, so the accumulators stay in registers. LEAN: each token's
+// values loaded per stream (bcst_load, maskz_add_bcst) rather than kept in registers.
+template <int FMT, int G, bool MEM, bool PREFETCH_AHEAD, bool LEAN>
 __attribute__((always_inline)) static inline void block_pass(const QActs& A, BlockWalk<FMT>& walk, int b, int tok0,
                                                              __m512* vacc, const StreamAhead& ahead) {
     constexpr int CH = block_chunks(FMT);
@@ -294,13 +311,15 @@ __attribute__((always_inline)) static inline void block_pass(const QActs& A, Blo
     for (int t = 0; t < G; t++) {
         const int8_t* a = A.q(tok0 + t) + b * QK;
         // two chains, so a single token is not bound by vpdpbusd's latency
-        __m512i s0 = _mm512_set1_epi32(A.corr(tok0 + t, FMT)[b]), s1 = _mm512_setzero_si512();
+        const int32_t* corr = A.corr(tok0 + t, FMT) + b;
+        __m512i s0 = LEAN ? bcst_load(corr) : _mm512_set1_epi32(*corr), s1 = _mm512_setzero_si512();
         for (int j = 0; j < 8; j += 2) {
             s0 = dpbusd_bcst(s0, w[j], a + 4 * j);
             s1 = dpbusd_bcst(s1, w[j + 1], a + 4 * j + 4);
         }
-        const __m512 d = _mm512_castsi512_ps(
-            _mm512_maskz_add_epi32(nonzero, dwi, _mm512_set1_epi32(A.exp23(tok0 + t)[b])));
+        const int32_t* e = A.exp23(tok0 + t) + b;
+        const __m512 d = _mm512_castsi512_ps(LEAN ? maskz_add_bcst(nonzero, dwi, e)
+                                                  : _mm512_maskz_add_epi32(nonzero, dwi, _mm512_set1_epi32(*e)));
         vacc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), d, vacc[t]);
         if (MEM) asm volatile("" : "+m"(vacc[t]));
     }
@@ -315,6 +334,9 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, const int* tile
                              const StreamAhead& ahead) {
     // every loop over the streams unrolled whole, or the accumulators and walks stay in memory
     __m512 vacc[NT][G];
+    // the accumulators, each token's two broadcast values kept across the streams, a block's 8
+    // weight registers and about 4 temporaries: past 32 registers, the values are loaded per use
+    constexpr bool LEAN = NT > 1 && NT * G + 2 * G + 8 + 4 > 32;
     BlockWalk<FMT> walks[NT];
 #pragma GCC unroll 4
     for (int n = 0; n < NT; n++) {
@@ -323,7 +345,7 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, const int* tile
     }
     for (int b = 0; b < W.cols / QK; b++)
 #pragma GCC unroll 4
-        for (int n = 0; n < NT; n++) block_pass<FMT, G, MEM, PREFETCH_AHEAD>(A, walks[n], b, tok0, vacc[n], ahead);
+        for (int n = 0; n < NT; n++) block_pass<FMT, G, MEM, PREFETCH_AHEAD, LEAN>(A, walks[n], b, tok0, vacc[n], ahead);
 #pragma GCC unroll 4
     for (int n = 0; n < NT; n++)
         for (int t = 0; t < G; t++) _mm512_store_ps(acc[n][tok0 + t], vacc[n][t]);
