@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from lab import cli, kernels, native, protocol, tune, tune_ab
+from lab.kernel_bench import L2_SHAPE
 
 from .conftest import simd_paths
 
@@ -389,10 +390,10 @@ def test_the_single_token_stages_hold_up_on_one_thread_too(restore, monkeypatch,
     monkeypatch.setattr(tune, "_per_round", per_round)
     one_token = {**tune.defaults(), **{f"q4_single_k{k}": False for k in tune.SINGLE_K if k > 1}}   # at k = 1 only
     times = tune._times(stage, cands, b, one_token, 3, None)
-    assert calls == [False, True] and b.matmul_pool is b.pool
+    assert calls == [False, False, True] and b.matmul_pool is b.pool     # the cached timing, then both from memory
     assert times[other] == [pytest.approx(1.1)] * 3 and times[default] == [1.0] * 3
     assert tune._pick(times, default)[0] == default
-    assert tune._bar_rounds(stage, 3, 2, one_token) == 6 and tune._bar_rounds("prefetch_k", 3, 2) == 3
+    assert tune._bar_rounds(stage, 3, 2, one_token) == 9 and tune._bar_rounds("prefetch_k", 3, 2) == 3
 
 
 def test_a_single_token_distance_is_judged_at_every_token_count_it_moves(restore, monkeypatch):
@@ -413,7 +414,7 @@ def test_a_single_token_distance_is_judged_at_every_token_count_it_moves(restore
     times = tune._times("prefetch_k1_q8", cands, b, base, 3, None)
     assert times[other] == [pytest.approx(1.1)] * 3
     assert tune._pick(times, default)[0] == default
-    assert tune._bar_rounds("prefetch_k1_q8", 3, 1, base) == 6
+    assert tune._bar_rounds("prefetch_k1_q8", 3, 1, base) == 9     # two timings from memory and the cached one
 
 
 def test_the_bench_s_walks_go_on_round_the_cycle_from_call_to_call():
@@ -446,6 +447,7 @@ def test_a_stream_count_is_judged_on_one_timing_of_one_and_eight_tokens(restore,
     assert set(cands) == {"1", "2", "4"} and tune.STREAMS_K == (1, 8)
     b, seen = tune._Bench(1, 1, 1), []
     monkeypatch.setattr(b, "matmul", lambda fmt, k, call: seen.append((fmt, k, call)) or [float(k)])
+    monkeypatch.setattr(b, "cached", lambda fmt, k: [float(k)])
 
     def per_round(fns, rounds, bar):
         return {n: [fn()[0] * (0.5 if n == "4" else 1.0)] * rounds for n, fn in fns.items()}
@@ -454,4 +456,35 @@ def test_a_stream_count_is_judged_on_one_timing_of_one_and_eight_tokens(restore,
     calls = tune.STREAMS_CALLS["q4"]
     assert sorted(seen[:4]) == sorted(("q4", k, call) for k in (1, 8) for call in calls)   # one candidate's timing
     assert times == {"1": [1.0, 1.0], "2": [1.0, 1.0], "4": [0.5, 0.5]}   # ratios of 18 "seconds" each
-    assert tune._bar_rounds("q4_streams", 3, 2) == 6
+    assert tune._bar_rounds("q4_streams", 3, 2) == 9
+
+
+@pytest.mark.parametrize("cached_ratio, judged", [(1.04, 0.9), (1.2, 1.2)])
+def test_a_one_token_candidate_much_slower_from_cache_loses(restore, monkeypatch, cached_ratio, judged):
+    """A distance or stream count 10% faster from memory is judged by its time on a cache-resident
+    matrix too, where that is past CACHED_LIMIT: 4% slower there is noise-sized and does not count,
+    20% slower does (four 8-bit streams far ahead thrash L1 there)."""
+    cands = tune.candidates()["prefetch_k1_q8"]
+    base = tune.defaults()
+    default = tune._label(cands, base)
+    other = next(n for n in cands if n != default)
+    b = tune._Bench(1, 1, 1)
+    monkeypatch.setattr(b, "matmul", lambda fmt, k, call: [1.0])
+    monkeypatch.setattr(b, "cached", lambda fmt, k: [100.0])     # its "seconds" say it was the cached timing
+
+    def per_round(fns, rounds, bar):
+        factor = {True: cached_ratio, False: 0.9}
+        return {n: [factor[fn()[0] >= 100] if n == other else 1.0] * rounds for n, fn in fns.items()}
+    monkeypatch.setattr(tune, "_per_round", per_round)
+    assert tune.CACHED_LIMIT == 1.05
+    times = tune._times("prefetch_k1_q8", cands, b, base, 3, None)
+    assert times[other] == [pytest.approx(judged)] * 3 and times[default] == [1.0] * 3
+    assert tune._pick(times, default)[0] == (other if judged < 1 else default)
+
+
+def test_the_cached_timing_is_a_product_from_l2_on_one_thread():
+    b = tune._Bench(1, 1, 2)
+    secs = b.cached("q8", 1)
+    assert len(secs) == tune.CACHED_CALLS and all(0 < s < 0.01 for s in secs)
+    W, acts = b._cached["q8", 1]
+    assert (W.rows, W.cols) == L2_SHAPE["q8"] and int(acts._acts.k()) == 1
