@@ -73,9 +73,8 @@ MARGIN = 0.98           # a candidate replaces the default at a median paired ti
                         # nominates the one with the lowest median, if that is this low
 # A one-token stage's candidate is also timed on a matrix in L2 (one thread; `lab bench kernels`'
 # L2 shape) against the untuned defaults, and where it is more than this much slower there, that
-# ratio counts: a stream tuned for memory must not thrash L1 when the weights are in cache (four
-# 8-bit streams asking 8 KB ahead read 1.44 of the defaults' time there, and tied with 2 KB from
-# memory). Against the stage's own default instead, any distance failed beside four streams.
+# ratio counts: a stream tuned for memory must not thrash L1 when the weights are cached
+# (docs/tuning.md, "Tuned never slower from cache").
 CACHED_LIMIT = 1.05
 CACHED_CALLS = 50       # calls a repeat of a cache-resident timing: each takes 5-40 us
 CACHE_FORMAT = 1
@@ -530,10 +529,8 @@ def _stream_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rou
     defaults' (key None) where that is past CACHED_LIMIT (_past_limit)."""
     timings, fmt = [], ONE_THREAD[stage]
     walked = stream_timings(stage, base)
-    ks = sorted({k for walks in walked for k, _ in walks})
-    cached = _per_round({n: (lambda values=values: (apply(values), _summed(b.cached(fmt, k) for k in ks))[1])
-                         for n, values in {**{n: {**base, **sets} for n, sets in cands.items()},
-                                           None: defaults()}.items()}, rounds, bar)
+    settings = {**{n: {**base, **sets} for n, sets in cands.items()}, None: defaults()}
+    cached = _cached_times(b, fmt, sorted({k for walks in walked for k, _ in walks}), settings, rounds, bar)
     for walks in walked:
         fns = {n: (lambda sets=sets, walks=walks: (apply({**base, **sets}),
                                                     _summed(b.matmul(fmt, k, call) for k, call in walks))[1])
@@ -544,6 +541,12 @@ def _stream_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rou
                 timings.append(_per_round(fns, rounds, bar))
     default = _label(cands, base)
     return _past_limit(_worse_of(timings, default), _worse_of([cached], None))
+
+
+def _cached_times(b: _Bench, fmt: str, ks: list[int], settings: dict, rounds: int, bar) -> dict:
+    """Each setting's seconds per round for products of fmt's L2-resident matrix, summed over ks."""
+    return _per_round({n: (lambda values=values: (apply(values), _summed(b.cached(fmt, k) for k in ks))[1])
+                       for n, values in settings.items()}, rounds, bar)
 
 
 def _past_limit(ratios: dict[str, list[float]], cached: dict[str, list[float]]) -> dict[str, list[float]]:
