@@ -74,8 +74,14 @@ public:
     bool pinned() const;
     // Calls fn over [0, n) in pieces: static contiguous ranges when chunk == 0; chunks of
     // `chunk` items handed out from an atomic counter when chunk > 0; guided when chunk < 0:
-    // each hand-out takes a 1/(2 x threads) share of what is left, never fewer than -chunk.
+    // each hand-out takes a 1/(2 x threads) share of what is left, never fewer than -chunk;
+    // SPLIT_WEIGHTED: static ranges sized to the threads' speeds in earlier weighted calls.
     void parallel_for(int n, int chunk, RowFn fn, void* ctx);
+    // Emulates a slower core for the threads section (lab.slowcore): thread tid's pieces of
+    // work each take `factor` times as long; a factor of 1 or less turns it off.
+    void slow(int tid, double factor);
+    // Each thread's share of the speed over recent SPLIT_WEIGHTED calls (0s until one ran).
+    std::vector<double> shares() const;
     struct Impl;
 private:
     Impl* impl_;
@@ -86,10 +92,16 @@ int online_cpus();
 // The matmuls' split: guided, shares shrinking to Tuning::guided_min_bytes of weights, because
 // a weight stream wants long runs per thread (each jump restarts the prefetchers and strands
 // the prefetches past a run's end) while the shrinking tail keeps the threads finishing
-// together on a shared machine. A matrix under Tuning::guided_from_bytes goes in static halves
-// instead: each hand-out is an atomic on a line the other cores share, which on so short a
-// stream costs more than the balancing buys. The measurements: docs/tuning.md.
+// together on a shared machine. A matrix under Tuning::guided_from_bytes goes in static ranges
+// instead (SPLIT_WEIGHTED): each hand-out is an atomic on a line the other cores share, which on
+// so short a stream costs more than the balancing buys. The measurements: docs/tuning.md.
 constexpr int SPLIT_GUIDED = -1;
+// Static ranges, each thread's sized to its speed as the pool measured it over its recent
+// SPLIT_WEIGHTED calls, so a slower core (an efficiency core, or one shared with other work)
+// gets less; equal ranges while the threads run within WEIGHT_BAND of each other. The small
+// matrices of the guided split go this way.
+constexpr int SPLIT_WEIGHTED = -(1 << 30);
+constexpr double WEIGHT_BAND = 1.10;
 // A windowed attention's recent positions start on a multiple of this, whole tiles of its
 // scores and values, so a task's tiles never span the positions it skips.
 constexpr int ATT_WINDOW_BLOCK = 32;
@@ -124,7 +136,7 @@ struct Tuning {
     // in flight over several streams than over one (docs/tuning.md).
     int q4_streams = 1, q8_streams = 1;
     int64_t guided_min_bytes = 96 << 10;    // the smallest guided share
-    int64_t guided_from_bytes = 4 << 20;    // smaller matrices go in static halves
+    int64_t guided_from_bytes = 4 << 20;    // smaller matrices go in static ranges (SPLIT_WEIGHTED)
     // From this many tokens (0: never) a KV head's attention goes to two tasks of half the
     // tokens each, not one: more tasks than threads, which the pool then evens out.
     int att_split_k = 0;
@@ -399,7 +411,8 @@ public:
     int forward(const int32_t* tokens, int k, int pos, float* logits, int mode, float* hidden,
                 ThreadPool* pool, int path);
     // How matmuls split their tiles over the pool: 0 static halves, n > 0 chunks of n tiles,
-    // SPLIT_GUIDED (the default). Results are identical either way; only the timing moves.
+    // SPLIT_GUIDED (the default: small matrices SPLIT_WEIGHTED). Results are identical either
+    // way; only the timing moves.
     void set_chunk(int tiles);
     // Attention of a draft that need not be exact: a row that has seen more than
     // sink + window positions sees the first `sink` and its last `window` or up to

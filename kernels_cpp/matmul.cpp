@@ -428,10 +428,10 @@ int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path, 
     if (A.k() < 1 || A.k() > MAX_K) return MM_BAD_K;
     if (!path_supported(path)) return MM_PATH_UNSUPPORTED;
     const TilesFn fn = tiles_for(path, W.fmt);
-    if (chunk < 0) {    // guided: the pool's smallest share in tiles, from bytes; small matrices static
+    if (chunk == SPLIT_GUIDED) {    // the pool's smallest share in tiles, from bytes; small matrices weighted static
         const Tuning tn = tuning();
         const int64_t tile_bytes = packed_nbytes(W.fmt, TILE, W.cols);
-        chunk = tile_bytes * W.tiles < tn.guided_from_bytes ? 0
+        chunk = tile_bytes * W.tiles < tn.guided_from_bytes ? SPLIT_WEIGHTED
                                                             : -(int)((tn.guided_min_bytes + tile_bytes - 1) / tile_bytes);
     }
     for_range(pool, W.tiles, chunk, [&](int b, int e, int) { fn(W, A, y, ldy, b, e); });

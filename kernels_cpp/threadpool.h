@@ -23,7 +23,7 @@ private:
 template <class F>
 void for_range(ThreadPool* pool, int n, int chunk, F&& f) {
     auto tramp = [](void* ctx, int b, int e, int tid) { (*static_cast<F*>(ctx))(b, e, tid); };
-    if (!pool || pool->size() == 1) {
+    if (!pool) {
         f(0, n, 0);
         return;
     }

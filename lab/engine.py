@@ -162,7 +162,7 @@ class Engine:
     def set_chunk(self, tiles: int | str) -> None:
         """Matmul work split: 0 static halves, n > 0 chunks of n 16-row tiles, or "guided"
         (the default: shares of what is left, shrinking to ~96 KB of weights; matrices under
-        4 MB in static halves)."""
+        4 MB in static ranges sized to each thread's speed, as the pool measures it)."""
         try:
             self._m.set_chunk(split_code(tiles))
         except ValueError as e:

@@ -60,9 +60,29 @@ class Pool:
         self.threads, self.cpus, self.pin = n, cpus or allowed[:n], pin
         vec = __import__("cppyy").gbl.std.vector["int"](self.cpus)
         self._pool = ns.ThreadPool(n, vec, pin)
+        self.slowed: tuple[int, float] | None = None
+
+    def slow(self, cpu: int, factor: float) -> "Pool":
+        """Emulates a core `factor` times slower: the worker for `cpu` (pinned there, or in its
+        place when unpinned) follows each piece of its work with a spin as long as (factor - 1)
+        times the piece (lab.slowcore); factor 1 turns it off. -> self"""
+        if cpu not in self.cpus:
+            raise ValueError(f"cpu {cpu} is not one of this pool's CPUs {self.cpus}")
+        if not 1 <= factor <= 16:
+            raise ValueError(f"a slow core's factor must be between 1 and 16, got {factor}")
+        self._pool.slow(self.cpus.index(cpu), float(factor))
+        self.slowed = (cpu, float(factor)) if factor > 1 else None
+        return self
+
+    @property
+    def shares(self) -> list[float]:
+        """Each thread's share of the speed, as the weighted split (the guided split's small
+        matrices) measured it over its recent calls; 0s until one ran."""
+        return list(self._pool.shares())
 
     def __repr__(self) -> str:
-        return f"Pool(threads={self.threads}, cpus={self.cpus}, pin={self.pin})"
+        slow = f", slowed={self.slowed}" if self.slowed else ""
+        return f"Pool(threads={self.threads}, cpus={self.cpus}, pin={self.pin}{slow})"
 
 
 def _pool_ptr(pool: Pool | None):
@@ -162,8 +182,9 @@ def pack(W: QTensor) -> Packed:
 def split_code(split: int | str) -> int:
     """How work on 16-row tiles is split over a pool, as the C++ takes it: 0 static halves,
     n > 0 hands out n tiles at a time, "guided" (the engine's) shares shrinking to the tuned
-    guided_min_bytes of weights, and static halves for matrices under guided_from_bytes
-    (lab.tune; `lab info` shows the values in force)."""
+    guided_min_bytes of weights, and static ranges sized to each thread's measured speed
+    (`Pool.shares`) for matrices under guided_from_bytes (lab.tune; `lab info` shows the
+    values in force)."""
     if split == "guided":
         return int(native.lib().SPLIT_GUIDED)
     if isinstance(split, bool) or not isinstance(split, int) or split < 0:

@@ -81,7 +81,8 @@ def ranges() -> dict[str, Range]:
             "draft_vocab": Range(0, why="0: the stock draft"), "warmup": Range(0), "weight": Range(0),
             "lr": Range(0, gt=True), "held_out": Range(0, 1),
             "sampled_temperatures": Range(0, gt=True, why="0 is the greedy run", kind="float"),
-            "duties": Range(0, 1, why="a co-runner's busy share of each period", kind="float")}
+            "duties": Range(0, 1, why="a co-runner's busy share of each period", kind="float"),
+            "factors": Range(1, 16, gt=True, why="how many times slower the slowed worker runs", kind="float")}
 
 
 def notebooks() -> list[str]:

@@ -90,13 +90,16 @@ SPLITS = {"static": 0, "dynamic": 8, "guided": "guided"}   # names -> Engine.set
 
 
 def threads_bench(target, draft, context: int = 256, gamma: int = 4, rounds: int = 5, reps: int = 3,
-                  max_threads: int | None = None, duties=(0.0,)) -> list[dict]:
+                  max_threads: int | None = None, duties=(0.0,), factors=()) -> list[dict]:
     """A draft step, a target step and a verification pass (gamma + 1 tokens), each timed under
     every configuration: thread count, pinned or not, and the split of tiles — static halves,
     fixed 8-tile hand-outs ("dynamic") or shrinking shares ("guided", the engine's default) —
     and under each condition of `slowcore.conditions`: a hybrid CPU's real performance and
-    efficiency cores, elsewhere the last CPU shared with a co-runner busy each of `duties`
-    (an emulated efficiency core; each row has the slow-down measured for its condition).
+    efficiency cores, elsewhere the last CPU shared with a co-runner busy each of `duties`, then
+    its worker slowed by each of `factors` (emulated efficiency cores; each row has the
+    slow-down measured for its condition).
+    Each row also has `ideal_ms`: the phase's total work over the cores' total speed, each
+    core's speed timed as one pinned thread alone on it under the same condition.
     The engines get their own pools and the guided split back afterwards."""
     allowed = sorted(os.sched_getaffinity(0))
     n = len(allowed) if max_threads is None else max_threads
@@ -104,29 +107,51 @@ def threads_bench(target, draft, context: int = 256, gamma: int = 4, rounds: int
                for split in (SPLITS if t > 1 else ("static",))]
     ids = fill(target, context, draft)      # timed passes write past `context` only: one fill serves all
     rows = []
-    for cond in slowcore.conditions(native.cpu()["core_types"], allowed, duties):
+    for cond in slowcore.conditions(native.cpu()["core_types"], allowed, duties, factors):
         slowdown = _slowdown(target, cond, ids, context, reps)
-        pools = {(t, pin): kernels.Pool(t, cpus=cond["cpus"][:t] if cond["cpus"] else None, pin=pin)
-                 for t, pin, _ in configs}
+        pools = {(t, pin): _pool(cond, t, cond["cpus"][:t] if cond["cpus"] else None, pin) for t, pin, _ in configs}
+        alone = {("alone", c): (_pool(cond, 1, [c]), "static") for c in pools[n, True].cpus}
         with slowcore.SlowCore(cond["slow_cpu"], cond["duty"]):
             timed = _phases(target, draft, ids, context, gamma, rounds, reps,
-                            {(t, pin, split): (pools[t, pin], split) for t, pin, split in configs})
+                            {**{(t, pin, split): (pools[t, pin], split) for t, pin, split in configs}, **alone})
+        ideal = _ideal_ms({key: timed.pop(key) for key in list(timed) if key[0] == "alone"})
         rows += [{"phase": phase, "threads": t, "pinned": pin, "split": split, **ms,
-                  "condition": cond["label"], "slowdown": slowdown,
+                  "condition": cond["label"], "slowdown": slowdown, "ideal_ms": ideal[phase],
                   "config": f"{t} thr, {'pinned' if pin else 'unpinned'}, {split}"}
                  for (t, pin, split, phase), ms in timed.items()]
     return rows
 
 
+def _ideal_ms(alone: dict) -> dict:
+    """Per phase, its time were the work shared in proportion to each core's speed, with
+    nothing lost to sharing it: 1 / sum over the cores of 1 / (its time alone).
+    alone: {("alone", cpu, phase): {"ms": ...}}"""
+    speed = {}
+    for (_, _, phase), ms in alone.items():
+        speed[phase] = speed.get(phase, 0.0) + 1.0 / ms["ms"]
+    return {phase: 1.0 / s for phase, s in speed.items()}
+
+
+def _pool(cond: dict, threads: int, cpus: list[int] | None = None, pin: bool = True) -> kernels.Pool:
+    """A pool for the condition: its worker for the slow CPU slowed where the condition says."""
+    pool = kernels.Pool(threads, cpus=cpus, pin=pin)
+    if cond["factor"] > 1 and cond["slow_cpu"] in pool.cpus:
+        pool.slow(cond["slow_cpu"], cond["factor"])
+    return pool
+
+
 def _slowdown(engine, cond: dict, ids, context: int, reps: int, rounds: int = 5) -> float:
     """How much slower a one-thread target step runs on the condition's slow CPU: beside its
-    co-runner than alone, or on the efficiency core than on the performance core."""
-    def step_on(cpu):
-        with _configured((engine,), kernels.Pool(1, cpus=[cpu]), "static"):
+    co-runner than alone, slowed than not, or on the efficiency core than on the performance core."""
+    def step_on(cpu, factor=1.0):
+        with _configured((engine,), kernels.Pool(1, cpus=[cpu]).slow(cpu, factor), "static"):
             return float(np.median(forward_samples(engine, one, context, reps)))
     one = ids[-1:].copy()
     if cond["duty"]:
         return slowcore.factor(cond["slow_cpu"], cond["duty"], lambda: step_on(cond["slow_cpu"]), rounds)
+    if cond["factor"] > 1:
+        cpu = cond["slow_cpu"]
+        return float(np.median([step_on(cpu, cond["factor"]) / step_on(cpu) for _ in range(rounds)]))
     if cond["cpus"]:
         return float(np.median([step_on(cond["slow_cpu"]) / step_on(cond["cpus"][0]) for _ in range(rounds)]))
     return 1.0
@@ -135,7 +160,8 @@ def _slowdown(engine, cond: dict, ids, context: int, reps: int, rounds: int = 5)
 def holds_up(rows: list[dict]) -> list[dict]:
     """Per phase and split, over the pinned configurations with every thread: its time over the
     best split's under each condition, and the worst of those; the split with the smallest
-    worst is the one that holds up when a core is slow."""
+    worst is the one that holds up when a core is slow. `worst_vs_ideal`: the split's largest
+    time over the ideal (`ideal_ms`) under any condition."""
     n = max(r["threads"] for r in rows)
     mine = [r for r in rows if r["threads"] == n and r["pinned"]]
     out = []
@@ -143,9 +169,10 @@ def holds_up(rows: list[dict]) -> list[dict]:
         best = {c: min(r["ms"] for r in mine if r["phase"] == phase and r["condition"] == c)
                 for c in dict.fromkeys(r["condition"] for r in mine)}
         for split in dict.fromkeys(r["split"] for r in mine):
-            ratios = {r["condition"]: r["ms"] / best[r["condition"]] for r in mine
-                      if r["phase"] == phase and r["split"] == split}
-            out.append({"phase": phase, "split": split, **ratios, "worst": max(ratios.values())})
+            own = [r for r in mine if r["phase"] == phase and r["split"] == split]
+            ratios = {r["condition"]: r["ms"] / best[r["condition"]] for r in own}
+            out.append({"phase": phase, "split": split, **ratios, "worst": max(ratios.values()),
+                        "worst_vs_ideal": max(r["ms"] / r["ideal_ms"] for r in own)})
     for phase in dict.fromkeys(r["phase"] for r in out):
         pick = min((r for r in out if r["phase"] == phase), key=lambda r: r["worst"])
         pick["holds_up"] = True

@@ -4,11 +4,12 @@ The choices (the C++ `Tuning`, kernels_cpp/lab.h): the SIMD kernels' prefetch di
 one token (per format) and for k >= 2, whether 1, 2, 3 and 4 tokens take the single-token scheme
 (per format), whether the AVX-512 kernel's 2- and 4-token accumulators go through memory (per
 format), how many streams each format's kernels read a thread's share in, the matrix size from
-which the matmul split turns from static halves to guided shares, and the guided split's smallest
-share (both judged on quiet cores and with one core shared with a co-runner, lab.slowcore,
-keeping the value that holds up on both; the single-token stages likewise on every thread and
-on one). None of them changes a result (tests/test_tune.py checks
-every candidate bit for bit); the choices that change arithmetic order stay fixed per kernel path.
+which the matmul split turns from static ranges to guided shares, and the guided split's
+smallest share (both judged on quiet cores, with one core shared with a co-runner and with one
+worker slowed, lab.slowcore, keeping the value that holds up on all three; the single-token
+stages likewise on every thread and on one). None of them changes a result (tests/test_tune.py
+checks every candidate bit for bit); the choices that change arithmetic order stay fixed per
+kernel path.
 
 `tune()` times each candidate against the default with the real kernels on a working set past the
 last-level cache, candidates interleaved round by round; the one with the lowest median ratio, if
@@ -36,7 +37,7 @@ from . import kernels, native
 from .files import write_text_atomic
 from .kernel_bench import ATTENTION_SHAPE, L2_SHAPE
 from .protocol import interleave, matmul_samples, past_llc, read_buffer, read_sampler, round_trip_ns, summary
-from .slowcore import SlowCore
+from .slowcore import SlowCore, slowed
 
 SINGLE_K = (1, 2, 3, 4)  # the token counts whose prefetch scheme is chosen, per format
 SINGLE = {f"{fmt}_single_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in SINGLE_K}   # field -> what it moves
@@ -79,7 +80,8 @@ CACHED_LIMIT = 1.05
 CACHED_CALLS = 50       # calls a repeat of a cache-resident timing: each takes 5-40 us
 CACHE_FORMAT = 1
 COLS = 2048             # the tuner's matrices: about a Qwen hidden size, so tiles are model-sized
-SLOW_DUTY = 0.5         # the split is judged with one core this busy with other work as well
+SLOW_DUTY = 0.5         # the split is judged with one core this busy with other work as well,
+SLOW_FACTOR = 2.0       # and with one worker this many times slower, as on an efficiency core
 
 _state: dict = {"source": "default", "file": None, "tried": False, "read_gbps": None, "round_trip_ns": None}
 _noted: set[str] = set()
@@ -454,17 +456,21 @@ def _share_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar
 
 
 def _held_up(timer, b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
-    """Each candidate's time ratio to the default, per round: the worse of the ratio on quiet
-    cores and the ratio with the last worker's core shared with a co-runner (an emulated
-    efficiency core), so the split chosen is one that holds up on either."""
+    """Each candidate's time ratio to the default, per round: the worst of the ratios on quiet
+    cores, with the last worker's core shared with a co-runner (which takes it away in
+    scheduler slices) and with that worker slowed (lab.slowcore: both emulate an efficiency
+    core), so the split chosen is one that holds up on each."""
     default = _label(cands, base)
+    slow_cpu = b.pool.cpus[-1]
     quiet = timer(b, base, cands, rounds, bar)
-    with SlowCore(b.pool.cpus[-1], SLOW_DUTY):
-        slowed = timer(b, base, cands, rounds, bar)
-    return _worse_of([quiet, slowed], default)
+    with SlowCore(slow_cpu, SLOW_DUTY):
+        shared = timer(b, base, cands, rounds, bar)
+    with slowed(b.pool, slow_cpu, SLOW_FACTOR):
+        slow = timer(b, base, cands, rounds, bar)
+    return _worse_of([quiet, shared, slow], default)
 
 
-SPLIT_TIMERS = {"guided_from_bytes": _threshold_times, "guided_min_bytes": _share_times}   # timed twice: _held_up
+SPLIT_TIMERS = {"guided_from_bytes": _threshold_times, "guided_min_bytes": _share_times}   # timed 3 times: _held_up
 # The single-token stream's stages, timed on every thread and again on one, each round's ratio the
 # worse of the two: where the threads do not share one link to memory, as when a hypervisor
 # puts two vCPUs on different dies, each core's own memory parallelism binds (docs/tuning.md).
@@ -513,7 +519,7 @@ def _bar_rounds(stage: str, rounds: int, threads: int = 1, base: dict | None = N
     """The progress bar's rounds for one timing of a stage's candidates on `threads` threads."""
     if stage in ONE_THREAD:   # its timings from memory, each on every thread and on one, and its cached timing
         return rounds * (len(stream_timings(stage, base or defaults())) * (2 if threads > 1 else 1) + 1)
-    return rounds * (2 if stage in SPLIT_TIMERS else 1)
+    return rounds * (3 if stage in SPLIT_TIMERS else 1)
 
 
 def _times(stage: str, cands: dict[str, dict], b: _Bench, base: dict, rounds: int, bar) -> dict[str, list[float]]:
@@ -598,4 +604,4 @@ def tune(progress: bool = True, mb: int = 64, rounds: int = 10, reps: int = 3,
             "chosen": chosen, "measured": measured, "confirmed": confirmed, "mb": mb, "rounds": rounds,
             "threads": b.pool.threads, "read_gbps": {"before": read_before, "after": b.read_gbps()},
             "round_trip_ns": {"before": trip_before, "after": round_trip_ns(b.pool)},
-            "slow_core": {"cpu": b.pool.cpus[-1], "duty": SLOW_DUTY} if split else None}
+            "slow_core": {"cpu": b.pool.cpus[-1], "duty": SLOW_DUTY, "factor": SLOW_FACTOR} if split else None}

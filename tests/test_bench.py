@@ -261,18 +261,37 @@ def test_threads_bench_hands_the_engines_back(pair):
 
 
 def test_threads_bench_times_every_configuration_beside_a_slow_core(pair):
-    """Each condition (no co-runner, one at full duty on the last CPU) times every configuration,
-    with its slow-down measured; `holds_up` names one split per phase."""
+    """Each condition (no co-runner, one at full duty on the last CPU, the last worker slowed) times
+    every configuration, with its slow-down measured; `holds_up` names one split per phase."""
     import os
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("a slow core beside a fast one needs two CPUs")
     t, d = pair
-    rows = steps.threads_bench(t, d, context=16, gamma=2, rounds=1, reps=1, max_threads=2, duties=(0.0, 1.0))
+    rows = steps.threads_bench(t, d, context=16, gamma=2, rounds=1, reps=1, max_threads=2, duties=(0.0, 1.0),
+                               factors=(3.0,))
     conds = list(dict.fromkeys(r["condition"] for r in rows))
-    assert conds == ["no co-runner", "co-runner 100%"]
-    assert len(rows) == 2 * 3 * (1 + 2 * len(steps.SPLITS))
+    assert conds == ["no co-runner", "co-runner 100%", "a core at 1/3 speed"]
+    assert len(rows) == 3 * 3 * (1 + 2 * len(steps.SPLITS))
     assert {r["slowdown"] for r in rows if r["condition"] == "no co-runner"} == {1.0}
     assert all(r["slowdown"] > 0 for r in rows)
+    assert {r["slowdown"] for r in rows if r["condition"] == "a core at 1/3 speed"}.pop() > 1.5
+    # two cores share the work, so the ideal beats one thread alone on either
+    one = {(r["phase"], r["condition"]): r["ms"] for r in rows if r["threads"] == 1}
+    assert all(0 < r["ideal_ms"] < one[r["phase"], r["condition"]] for r in rows)
     held = steps.holds_up(rows)
     assert len(held) == 3 * len(steps.SPLITS) and sum(r.get("holds_up", False) for r in held) == 3
     assert all(r["worst"] >= 1.0 and r["worst"] == max(r[c] for c in conds) for r in held)
+    assert all(r["worst_vs_ideal"] > 0 for r in held)
+
+
+def test_the_ideal_shares_the_work_by_speed():
+    """A core twice as fast takes two thirds of the work: 10 ms and 20 ms alone make 6.67 ms;
+    a split's worst time over it is its largest ratio under any condition."""
+    ideal = steps._ideal_ms({("alone", 0, "step"): {"ms": 10.0}, ("alone", 1, "step"): {"ms": 20.0}})
+    assert ideal == {"step": pytest.approx(20 / 3)}
+    rows = [{"phase": "step", "threads": 2, "pinned": True, "split": s, "condition": c, "ms": ms, "ideal_ms": i}
+            for s, c, ms, i in [("static", "quiet", 5.5, 5.0), ("static", "slow", 10.0, 20 / 3),
+                                ("guided", "quiet", 5.2, 5.0), ("guided", "slow", 7.0, 20 / 3)]]
+    held = {r["split"]: r for r in steps.holds_up(rows)}
+    assert held["static"]["worst_vs_ideal"] == pytest.approx(1.5)
+    assert held["guided"]["worst_vs_ideal"] == pytest.approx(1.05) and held["guided"].get("holds_up")

@@ -79,6 +79,92 @@ def test_thread_split_changes_nothing(fmt, path, rows, rng):
     assert np.array_equal(bits(kernels.matmul(W, x, path=path, pool=unpinned)), bits(one))
 
 
+def two_cpus():
+    cpus = sorted(__import__("os").sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("a slow worker beside a fast one needs two CPUs")
+    return cpus[:2]
+
+
+@pytest.mark.parametrize("path", native.supported_paths())
+def test_a_slow_worker_changes_nothing_but_its_share(fmt, path, rng):
+    """With one worker slowed 3x, the guided split's small matrices go in ranges sized to the
+    threads' speeds (SPLIT_WEIGHTED): the fast thread's share grows, and every result stays
+    bit for bit the one-thread result."""
+    W = formats.quantize(rng.standard_normal((257, 512)).astype(np.float32), fmt)
+    x = rng.standard_normal((4, 512)).astype(np.float32)
+    one = kernels.matmul(W, x, path=path)
+    cpus = two_cpus()
+    pool = kernels.Pool(2, cpus=cpus).slow(cpus[1], 3.0)
+    assert pool.shares == [0.0, 0.0]
+    for _ in range(30):
+        assert np.array_equal(bits(kernels.matmul(W, x, path=path, pool=pool, chunk="guided")), bits(one))
+    assert pool.shares[0] > 0.6 and sum(pool.shares) == pytest.approx(1.0)
+    for chunk in (0, 1, 16):
+        assert np.array_equal(bits(kernels.matmul(W, x, path=path, pool=pool, chunk=chunk)), bits(one)), chunk
+
+
+def test_weighted_ranges_follow_the_threads_speeds():
+    """SPLIT_WEIGHTED: equal ranges until the pool has measured its threads, then ranges in
+    proportion to their speeds: with the second worker 3x slower, the first takes about 3/4."""
+    import cppyy
+    native.lib()
+    if not hasattr(cppyy.gbl, "labtest_weighted"):
+        cppyy.cppdef("""
+        #include <chrono>
+        // the ranges each thread got from one SPLIT_WEIGHTED call over n items of 2 us each
+        std::vector<int> labtest_weighted(lab::ThreadPool* pool, int n) {
+            std::vector<int> got(2 * pool->size(), -1);
+            pool->parallel_for(n, lab::SPLIT_WEIGHTED, [](void* ctx, int b, int e, int tid) {
+                auto& g = *static_cast<std::vector<int>*>(ctx);
+                g[2 * tid] = b;
+                g[2 * tid + 1] = e;
+                const auto end = std::chrono::steady_clock::now() + std::chrono::microseconds(2 * (e - b));
+                while (std::chrono::steady_clock::now() < end) {}
+            }, &got);
+            return got;
+        }""")
+    cpus = two_cpus()
+    pool = kernels.Pool(2, cpus=cpus)
+    assert list(cppyy.gbl.labtest_weighted(pool._pool, 100)) == [0, 50, 50, 100]
+    pool.slow(cpus[1], 3.0)
+    for _ in range(30):
+        got = list(cppyy.gbl.labtest_weighted(pool._pool, 100))
+    assert got[0] == 0 and got[3] == 100 and got[1] == got[2] and 65 <= got[1] <= 85, got
+
+
+def test_a_slowed_worker_takes_longer():
+    """Pool.slow makes each piece of the worker's work take `factor` times as long: a one-thread
+    pool slowed 4x takes well over twice as long, and factor 1 turns it off."""
+    import time
+    W = kernels.pack(formats.quantize(np.ones((16 * 64, 1024), np.float32), "q8"))
+    x = np.ones((1, 1024), np.float32)
+    cpu = two_cpus()[1]
+    pool = kernels.Pool(1, cpus=[cpu])
+
+    def secs():
+        t0 = time.perf_counter()
+        for _ in range(50):
+            kernels.matmul(W, x, pool=pool)
+        return time.perf_counter() - t0
+    secs()
+    alone = min(secs() for _ in range(3))
+    assert min(secs() for _ in range(3)) < 1.5 * alone      # the same, a second time
+    pool.slow(cpu, 4.0)
+    assert pool.slowed == (cpu, 4.0) and min(secs() for _ in range(3)) > 2 * alone
+    pool.slow(cpu, 1.0)
+    assert pool.slowed is None and min(secs() for _ in range(3)) < 1.5 * alone
+
+
+def test_a_bad_slow_worker_is_refused():
+    pool = kernels.Pool(1)
+    with pytest.raises(ValueError, match="not one of this pool's CPUs"):
+        pool.slow(10_000, 2.0)
+    for bad in (0.5, 17.0):
+        with pytest.raises(ValueError, match="between 1 and 16"):
+            pool.slow(pool.cpus[0], bad)
+
+
 def test_extreme_activations_stay_exact(fmt, rng):
     """Saturated int8 activations and the largest nibbles: no int16 overflow on any path."""
     w = np.where(rng.random((8, 256)) < 0.5, -1.0, 1.0).astype(np.float32)

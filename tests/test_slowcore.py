@@ -49,8 +49,16 @@ def test_a_full_duty_co_runner_slows_its_cpu():
 
 
 def test_conditions_use_real_core_types_on_a_hybrid_cpu():
-    conds = slowcore.conditions(["performance", "performance", "efficiency", "efficiency"], [1, 2, 3])
-    assert conds == [{"label": "a performance and an efficiency core", "duty": 0.0, "cpus": [1, 2], "slow_cpu": 2}]
-    emulated = slowcore.conditions(None, [0, 1], duties=(0.0, 0.5))
-    assert [(c["label"], c["duty"], c["slow_cpu"]) for c in emulated] == [("no co-runner", 0.0, 1),
-                                                                         ("co-runner 50%", 0.5, 1)]
+    conds = slowcore.conditions(["performance", "performance", "efficiency", "efficiency"], [1, 2, 3],
+                                factors=(2.0,))
+    assert conds == [{"label": "a performance and an efficiency core", "duty": 0.0, "factor": 1.0, "cpus": [1, 2],
+                      "slow_cpu": 2}]
+    emulated = slowcore.conditions(None, [0, 1], duties=(0.0, 0.5), factors=(2.0,))
+    assert [(c["label"], c["duty"], c["factor"], c["slow_cpu"]) for c in emulated] == [
+        ("no co-runner", 0.0, 1.0, 1), ("co-runner 50%", 0.5, 1.0, 1), ("a core at 1/2 speed", 0.0, 2.0, 1)]
+
+
+@pytest.mark.parametrize("factor", [1.0, 0.5, 17.0])
+def test_a_bad_factor_is_refused(factor):
+    with pytest.raises(ValueError, match="factor must be above 1"):
+        slowcore.conditions(None, [0, 1], factors=(factor,))

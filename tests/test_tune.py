@@ -241,37 +241,45 @@ def test_loading_the_library_applies_the_cache_without_the_suite_s_lab_tune_0():
     assert out.stdout.strip().startswith(("default", "tuned at"))
 
 
-def test_the_split_chosen_holds_up_with_a_slow_core(monkeypatch):
-    """A threshold 10% faster on quiet cores but 30% slower beside a co-runner loses to one 3%
-    faster on both; the co-runner shares the pool's last CPU."""
+@pytest.mark.parametrize("fragile_where", ["co-runner", "slowed"])
+def test_the_split_chosen_holds_up_with_a_slow_core(monkeypatch, fragile_where):
+    """A threshold 10% faster on quiet cores but 30% slower beside a co-runner, or with the last
+    worker slowed, loses to one 3% faster under all three; both act on the pool's last CPU."""
     cands = tune.candidates()["guided_from_bytes"]
     base = tune.defaults()
     default = tune._label(cands, base)
     fragile, steady = [n for n in cands if n != default][:2]
-    state = {"slow_cpu": None}
+    state = {"where": None}
 
     class FakeSlowCore:
         def __init__(self, cpu, duty):
             state["cpu"], state["duty"] = cpu, duty
 
         def __enter__(self):
-            state["slow_cpu"] = state["cpu"]
+            state["where"] = "co-runner"
 
         def __exit__(self, *exc):
-            state["slow_cpu"] = None
+            state["where"] = None
+
+    class FakePool:
+        cpus = [0, 5]
+
+        def slow(self, cpu, factor):
+            state["where"] = "slowed" if factor > 1 else None
+            state["slowed"] = (cpu, max(factor, state.get("slowed", (0, 0))[1]))
 
     def threshold_times(b, base, cands, rounds, bar):
-        slow = state["slow_cpu"] is not None
-        t = {fragile: 1.3 if slow else 0.9, steady: 0.97}
+        t = {fragile: 1.3 if state["where"] == fragile_where else 0.9, steady: 0.97}
         return {n: [t.get(n, 1.0)] * rounds for n in cands}
 
     monkeypatch.setattr(tune, "SlowCore", FakeSlowCore)
     monkeypatch.setattr(tune, "_threshold_times", threshold_times)
-    b = type("B", (), {"pool": type("P", (), {"cpus": [0, 5]})()})()
+    b = type("B", (), {"pool": FakePool()})()
     bar = type("Bar", (), {"total": 0})()
     times = tune._held_up(tune._threshold_times, b, base, cands, 4, bar)
     assert state["cpu"] == 5 and state["duty"] == tune.SLOW_DUTY
-    assert tune._bar_rounds("guided_from_bytes", 4) == 8          # the bar counts both timings up front
+    assert state["slowed"] == (5, tune.SLOW_FACTOR) and state["where"] is None     # and back to full speed
+    assert tune._bar_rounds("guided_from_bytes", 4) == 12          # the bar counts all three timings up front
     assert tune._pick(times, default)[0] == steady
 
 
