@@ -308,19 +308,25 @@ __attribute__((always_inline)) static inline void block_pass(const QActs& A, Blo
             w[g] = x;
         }
     }
+    // Two chains a token, so a few tokens are not bound by vpdpbusd's latency; from four tokens
+    // the tokens' own chains hide it, and one chain saves an add a token and block (3-4% from
+    // L2), except where the accumulators go through memory (3% slower there; docs/tuning.md).
+    // Integer sums: the same bits either way.
+    constexpr bool ONE_CHAIN = G >= 4 && !MEM;
     for (int t = 0; t < G; t++) {
         const int8_t* a = A.q(tok0 + t) + b * QK;
-        // two chains, so a single token is not bound by vpdpbusd's latency
         const int32_t* corr = A.corr(tok0 + t, FMT) + b;
         __m512i s0 = LEAN ? bcst_load(corr) : _mm512_set1_epi32(*corr), s1 = _mm512_setzero_si512();
         for (int j = 0; j < 8; j += 2) {
             s0 = dpbusd_bcst(s0, w[j], a + 4 * j);
-            s1 = dpbusd_bcst(s1, w[j + 1], a + 4 * j + 4);
+            if (ONE_CHAIN) s0 = dpbusd_bcst(s0, w[j + 1], a + 4 * j + 4);
+            else s1 = dpbusd_bcst(s1, w[j + 1], a + 4 * j + 4);
         }
         const int32_t* e = A.exp23(tok0 + t) + b;
         const __m512 d = _mm512_castsi512_ps(LEAN ? maskz_add_bcst(nonzero, dwi, e)
                                                   : _mm512_maskz_add_epi32(nonzero, dwi, _mm512_set1_epi32(*e)));
-        vacc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), d, vacc[t]);
+        const __m512i s = ONE_CHAIN ? s0 : _mm512_add_epi32(s0, s1);
+        vacc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, vacc[t]);
         if (MEM) asm volatile("" : "+m"(vacc[t]));
     }
     walk.next(b);
