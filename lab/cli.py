@@ -329,7 +329,7 @@ def _print_bandwidth(r: dict) -> None:
 
 def _print_kernels(r: dict) -> None:
     print(f"path {r['path']}, read ceiling {r['read_gbps']:.1f} GB/s, "
-          f"dot peak {r['dot_peak_gmacs']:.0f} GMAC/s per thread ({r['dot_peak_variant']})")
+          f"dot peak {r['dot_peak_gmacs']:.0f} GMAC/s per thread ({r['dot_peak_variant']}); tuning: {r['tuning']}")
     print(f"{'kernel':6s} {'set':4s} {'k':>3s} {'thr':>3s} {'ms':>9s} {'ms/tok':>9s} {'GMAC/s':>8s} "
           f"{'GB/s':>6s} {'%bw':>5s} {'%peak':>6s}")
     for x in r["results"]:

@@ -97,7 +97,11 @@ def kernels_bench(ks=(1, 2, 4, 8, 16), fmts=("q4", "q8"), threads: int | None = 
                   quick: bool = False, path: str | None = None) -> dict:
     """GMAC/s and GB/s of each kernel for each k: a DRAM-resident matrix at all threads,
     its read ceiling sampled in the same rounds; an L2-resident one at one thread against
-    the dot-product issue peak (`dot_peak`), its best loop timed again in the same rounds."""
+    the dot-product issue peak (`dot_peak`), its best loop timed again in the same rounds.
+    The kernels run with the engine's tuning, measured first as an Engine would if none is
+    cached (LAB_TUNE=0: the defaults); `tuning` says which."""
+    from . import tune
+    tune.ensure()
     p = native.path_id(path)
     n = len(os.sched_getaffinity(0)) if threads is None else threads
     peak = dot_peak(native.PATHS[p], n=4_000_000 if quick else 32_000_000, reps=5 if quick else 7)
@@ -115,7 +119,7 @@ def kernels_bench(ks=(1, 2, 4, 8, 16), fmts=("q4", "q8"), threads: int | None = 
     for r in records:                                     # cache-resident: against the DRAM ceiling
         if r["share_of_bandwidth"] is None:
             r["share_of_bandwidth"] = r["gbps"] / read_gbps
-    return {"machine": machine(), "path": native.PATHS[p], "threads": n,
+    return {"machine": machine(), "path": native.PATHS[p], "threads": n, "tuning": tune.describe()["source"],
             "read_gbps": read_gbps, "dot_peak_gmacs": peak["gmacs"],
             "dot_peak_iqr": peak["gmacs_iqr"], "dot_peak_variant": peak["variant"],
             "dot_peak_variants": peak["variants"], "results": records,

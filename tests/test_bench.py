@@ -47,6 +47,7 @@ def test_kernels_json():
         for key in ("gmacs", "gbps", "share_of_bandwidth", "share_of_peak"):
             assert x[key] > 0, key
     assert r["dot_peak_gmacs"] > 0 and r["read_gbps"] > 0
+    assert r["tuning"] == "LAB_TUNE=0"                  # what the kernels ran with (the tests keep the defaults)
     att = {(x["context"], x["k"]): x for x in r["attention"]}
     assert set(att) == {(c, k) for c in (256, 2048) for k in (1, 4, 8)}
     for (c, k), x in att.items():                       # the multiply-adds follow from the shape
