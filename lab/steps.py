@@ -123,7 +123,7 @@ def threads_bench(target, draft, context: int = 256, gamma: int = 4, rounds: int
 
 
 def _ideal_ms(alone: dict) -> dict:
-    """Per phase, its time were the work shared in proportion to each core's speed, with
+    """Per phase, its time if the work were shared in proportion to each core's speed with
     nothing lost to sharing it: 1 / sum over the cores of 1 / (its time alone).
     alone: {("alone", cpu, phase): {"ms": ...}}"""
     speed = {}
