@@ -68,8 +68,9 @@ class Pool:
         times the piece (lab.slowcore); factor 1 turns it off. -> self"""
         if cpu not in self.cpus:
             raise ValueError(f"cpu {cpu} is not one of this pool's CPUs {self.cpus}")
-        if not 1 <= factor <= 16:
-            raise ValueError(f"a slow core's factor must be between 1 and 16, got {factor}")
+        from .slowcore import MAX_FACTOR
+        if not 1 <= factor <= MAX_FACTOR:
+            raise ValueError(f"a slow core's factor must be between 1 and {MAX_FACTOR}, got {factor}")
         self._pool.slow(self.cpus.index(cpu), float(factor))
         self.slowed = (cpu, float(factor)) if factor > 1 else None
         return self

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import yaml
 
+from . import slowcore
 from .errors import LabError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -82,7 +83,8 @@ def ranges() -> dict[str, Range]:
             "lr": Range(0, gt=True), "held_out": Range(0, 1),
             "sampled_temperatures": Range(0, gt=True, why="0 is the greedy run", kind="float"),
             "duties": Range(0, 1, why="a co-runner's busy share of each period", kind="float"),
-            "factors": Range(1, 16, gt=True, why="how many times slower the slowed worker runs", kind="float")}
+            "factors": Range(1, slowcore.MAX_FACTOR, gt=True, why="how many times slower the slowed worker runs",
+                             kind="float")}
 
 
 def notebooks() -> list[str]:

@@ -21,6 +21,7 @@ from typing import Callable
 
 import numpy as np
 
+MAX_FACTOR = 16         # the slowest a slowed worker may be made (kernels.Pool.slow)
 PERIOD_S = 0.004        # long beside a kernel call, short beside a decode step: every step sees it
 
 _SPIN = """
@@ -101,8 +102,8 @@ def conditions(core_types: list[str] | None, allowed: list[int], duties=(0.0, 0.
         return [{"label": "a performance and an efficiency core", "duty": 0.0, "factor": 1.0, "cpus": [p, e],
                  "slow_cpu": e}]
     for f in factors:
-        if not 1 < f <= 16:
-            raise ValueError(f"a slow core's factor must be above 1 and at most 16, got {f}")
+        if not 1 < f <= MAX_FACTOR:
+            raise ValueError(f"a slow core's factor must be above 1 and at most {MAX_FACTOR}, got {f}")
     return ([{"label": "no co-runner" if d == 0 else f"co-runner {d:.0%}", "duty": float(d), "factor": 1.0,
               "cpus": None, "slow_cpu": allowed[-1]} for d in duties]
             + [{"label": f"a core at 1/{f:g} speed", "duty": 0.0, "factor": float(f), "cpus": None,
