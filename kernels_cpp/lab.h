@@ -113,6 +113,9 @@ constexpr int ATT_WINDOW_BLOCK = 32;
 // ----------------------------------------------------------------------------
 
 constexpr int MAX_STREAMS = 4;     // a kernel reads a share in a power of two of streams up to this (Tuning)
+// Tuning::two_groups_k's range: the AVX-512 kernel has both shapes built for the token counts
+// between (one group up to TWO_GROUPS_LAST - 1 tokens, two groups from TWO_GROUPS_FIRST).
+constexpr int TWO_GROUPS_FIRST = 6, TWO_GROUPS_LAST = 17;
 
 struct Tuning {
     // The SIMD kernels ask for their weight stream this far ahead, in bytes of a 4-bit stream
@@ -135,6 +138,10 @@ struct Tuning {
     // (MAX_STREAMS) equal parts of its tiles, a block of each in turn. One core kept more lines
     // in flight over several streams than over one (docs/tuning.md).
     int q4_streams = 1, q8_streams = 1;
+    // From this many tokens the AVX-512 kernel takes a tile's tokens in two groups, the second
+    // reading the tiles' weights again from cache: in one group, one accumulator a token and
+    // stream beside a block's 8 weight registers crowds the 32 registers (docs/tuning.md).
+    int two_groups_k = 9;
     int64_t guided_min_bytes = 96 << 10;    // the smallest guided share
     int64_t guided_from_bytes = 4 << 20;    // smaller matrices go in static ranges (SPLIT_WEIGHTED)
     // From this many tokens (0: never) a KV head's attention goes to two tasks of half the

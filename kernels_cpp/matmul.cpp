@@ -357,18 +357,33 @@ static inline void tile_pass(const PackedMat& W, const QActs& A, const int* tile
         for (int t = 0; t < G; t++) _mm512_store_ps(acc[n][tok0 + t], vacc[n][t]);
 }
 
-// NT tiles side by side (stream_groups), all K tokens. More than 8 tokens take the tiles in two
-// groups, the second reading the tiles' weights again from cache, because in one group up to
-// 16 accumulators beside a block's 8 weight registers crowd the 32 registers and the compiler
-// spills them (docs/tuning.md).
-template <int FMT, int K, bool MEM, int NT>
+// NT tiles side by side (stream_groups), all K tokens, in one group or, TWO, two: the second
+// reads the tiles' weights again from cache, where one group's accumulators beside a block's 8
+// weight registers would crowd the 32 registers (Tuning::two_groups_k).
+template <int FMT, int K, bool MEM, int NT, bool TWO>
 static void tile_group(const PackedMat& W, const QActs& A, float* y, int64_t ldy, const int* tiles,
                        const StreamAhead& ahead) {
-    constexpr int G1 = K <= 8 ? K : (K + 1) / 2, G2 = K - G1;
+    constexpr int G1 = TWO ? (K + 1) / 2 : K, G2 = K - G1;
     alignas(64) float acc[NT][K][TILE];
     tile_pass<FMT, K, G1, MEM, true, NT>(W, A, tiles, 0, acc, ahead);
     if constexpr (G2 > 0) tile_pass<FMT, K, G2, MEM, false, NT>(W, A, tiles, G1, acc, ahead);
     for (int n = 0; n < NT; n++) store_tile(W, y, ldy, tiles[n], K, acc[n]);
+}
+
+// Every stream group of tiles t0..t1 in one or two groups of tokens. Only the shapes the tuning's
+// range can ask for are built (TWO_GROUPS_FIRST, TWO_GROUPS_LAST): two groups below the first
+// and one group from the last would each stand in for the other, and never run.
+template <int FMT, int K, bool MEM, int MOST, bool TWO>
+static void groups(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1, const Tuning& tn,
+                   const StreamAhead& ahead) {
+    if constexpr (TWO ? K >= TWO_GROUPS_FIRST : K < TWO_GROUPS_LAST)
+        stream_groups(t0, t1, std::min(streams(FMT, tn), MOST), [&](const int* tiles, int n) {
+            if constexpr (MOST == 4)
+                if (n == 4) return tile_group<FMT, K, MEM, 4, TWO>(W, A, y, ldy, tiles, ahead);
+            if (n == 2) tile_group<FMT, K, MEM, 2, TWO>(W, A, y, ldy, tiles, ahead);
+            else tile_group<FMT, K, MEM, 1, TWO>(W, A, y, ldy, tiles, ahead);
+        });
+    else groups<FMT, K, MEM, MOST, !TWO>(W, A, y, ldy, t0, t1, tn, ahead);
 }
 
 template <int FMT, int K, bool MEM = false>
@@ -378,12 +393,8 @@ static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, i
     // tokens two streams already spill some, and still read faster from memory (docs/tuning.md)
     constexpr int MOST = K <= 4 ? 4 : 2;
     const StreamAhead ahead(FMT, stream_bound(FMT, K, tn), tn);
-    stream_groups(t0, t1, std::min(streams(FMT, tn), MOST), [&](const int* tiles, int n) {
-        if constexpr (MOST == 4)
-            if (n == 4) return tile_group<FMT, K, MEM, 4>(W, A, y, ldy, tiles, ahead);
-        if (n == 2) tile_group<FMT, K, MEM, 2>(W, A, y, ldy, tiles, ahead);
-        else tile_group<FMT, K, MEM, 1>(W, A, y, ldy, tiles, ahead);
-    });
+    if (K >= tn.two_groups_k) groups<FMT, K, MEM, MOST, true>(W, A, y, ldy, t0, t1, tn, ahead);
+    else groups<FMT, K, MEM, MOST, false>(W, A, y, ldy, t0, t1, tn, ahead);
 }
 
 using TunedFn = void (*)(const PackedMat&, const QActs&, float*, int64_t, int, int, const Tuning&);

@@ -33,6 +33,7 @@ int set_tuning(const Tuning& t) {
                   t.prefetch_l2_k_q8})
         ok = ok && d >= 0 && d <= FAR;
     for (int n : {t.q4_streams, t.q8_streams}) ok = ok && n >= 1 && n <= MAX_STREAMS && (n & (n - 1)) == 0;
+    ok = ok && t.two_groups_k >= TWO_GROUPS_FIRST && t.two_groups_k <= TWO_GROUPS_LAST;
     if (!ok) return 1;
     in_force() = t;
     return 0;

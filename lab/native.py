@@ -139,7 +139,8 @@ def consts() -> SimpleNamespace:
         attention={"f32": int(ns.ATT_F32), "bf16": int(ns.ATT_BF16), "amx": int(ns.ATT_AMX)},
         file_version=int(ns.MODEL_FILE_VERSION),
         window_block=int(ns.ATT_WINDOW_BLOCK),
-        max_streams=int(ns.MAX_STREAMS))
+        max_streams=int(ns.MAX_STREAMS),
+        two_groups=(int(ns.TWO_GROUPS_FIRST), int(ns.TWO_GROUPS_LAST)))
 
 
 def _path_names(ns) -> tuple[str, ...]:

@@ -3,7 +3,8 @@
 The choices (the C++ `Tuning`, kernels_cpp/lab.h): the SIMD kernels' prefetch distances for
 one token (per format) and for k >= 2, whether 1, 2, 3 and 4 tokens take the single-token scheme
 (per format), whether the AVX-512 kernel's 2- and 4-token accumulators go through memory (per
-format), how many streams each format's kernels read a thread's share in, the matrix size from
+format), how many streams each format's kernels read a thread's share in, from how many tokens
+the AVX-512 kernel takes a tile's tokens in two groups (also timed from cache), the matrix size from
 which the matmul split turns from static ranges to guided shares, and the guided split's
 smallest share (both judged on quiet cores, with one core shared with a co-runner and with one
 worker slowed, lab.slowcore, keeping the value that holds up on all three; the single-token
@@ -47,8 +48,9 @@ STREAMS = {f"{fmt}_streams": fmt for fmt in ("q4", "q8")}      # field -> its fo
 # k >= 2: each format's (into L1, into L2) distance fields, and its stage
 MULTI = {"q4": ("prefetch_l1_k", "prefetch_l2_k"), "q8": ("prefetch_l1_k_q8", "prefetch_l2_k_q8")}
 MULTI_STAGE = {"q4": "prefetch_k", "q8": "prefetch_k_q8"}
-FIELDS = ("prefetch_k1", "prefetch_k1_q8", *MULTI["q4"], *MULTI["q8"], *FLAGS, *STREAMS, "guided_min_bytes",
-          "guided_from_bytes", "att_split_k", "att_kv_l2_k")
+FIELDS = ("prefetch_k1", "prefetch_k1_q8", *MULTI["q4"], *MULTI["q8"], *FLAGS, *STREAMS, "two_groups_k",
+          "guided_min_bytes", "guided_from_bytes", "att_split_k", "att_kv_l2_k")
+REGISTERS = (*MEM_ACC, "two_groups_k")     # where the AVX-512 kernel keeps its accumulators: its path's only
 MB = 1 << 20
 # What the tuner tries besides the default (which it always tries).
 PREFETCH_K1 = (0, 1024, 2048, 4096, 8192, 16384)   # per format; 0: the hardware prefetcher alone
@@ -57,6 +59,7 @@ PREFETCH_K = ((0, 8192), (0, 16384), (1024, 8192), (1024, 16384), (2048, 8192), 
               (4096, 32768), (8192, 32768))
 MULTI_K = (4, 8)        # the token counts a multi-token distance is judged on: its stream binds at 4, arithmetic at 8
 STREAMS_K = (1, 8)      # the token counts a stream count is judged on: decode's, and the most arithmetic's in one group
+TWO_GROUPS_INNER = (8, 9, 13)   # two_groups_k's candidates beside its range's ends (native.consts().two_groups)
 GUIDED_FROM = (1 * MB, 2 * MB, 4 * MB, 8 * MB, 16 * MB)
 SPLIT_SIZES = (1 * MB, 2 * MB, 4 * MB, 8 * MB)   # the matrix sizes the split threshold is judged on
 GUIDED_MIN = (32 << 10, 64 << 10, 192 << 10, 384 << 10)
@@ -104,6 +107,9 @@ def moves(a: dict, b: dict, k: int) -> bool:
     for f in ("att_split_k", "att_kv_l2_k"):          # attention's choices, from a token count on
         if f in diff and k >= min(x[f] for x in (a, b) if x[f]):
             return True
+    lo, hi = sorted((a["two_groups_k"], b["two_groups_k"]))
+    if lo <= k < hi:                                   # one group under one tuning, two under the other
+        return True
     for fmt, k1 in (("q4", "prefetch_k1"), ("q8", "prefetch_k1_q8")):
         if {f"{fmt}_single_k{k}", f"{fmt}_mem_acc_k{k}", f"{fmt}_streams"} & diff:
             return True
@@ -138,6 +144,16 @@ def apply(values: dict, ns=None) -> None:
         raise ValueError(f"tuning values out of range: {values}")
 
 
+def two_groups() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """two_groups_k's candidates (two groups from the first token count built for them, from
+    TWO_GROUPS_INNER's, or one group wherever it is built) and the token counts that tell them
+    apart: one below each candidate past the first, which it takes in one group and the
+    candidate before it in two."""
+    first, last = native.consts().two_groups
+    cands = (first, *TWO_GROUPS_INNER, last)
+    return cands, tuple(c - 1 for c in cands[1:])
+
+
 def stream_counts() -> tuple[int, ...]:
     """Every stream count the kernels take: the powers of two up to MAX_STREAMS (kernels_cpp/lab.h)."""
     return tuple(1 << i for i in range(native.consts().max_streams.bit_length()))
@@ -155,6 +171,7 @@ def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
         **{f: {str(v): {f: v} for v in vs} for f, vs in k1.items()},
         **{MULTI_STAGE[fmt]: {f"{a}/{b}": {l1: a, l2: b} for a, b in pairs[fmt]} for fmt, (l1, l2) in MULTI.items()},
         **{f: {str(v).lower(): {f: v} for v in (False, True)} for f in (*SINGLE, *MEM_ACC)},
+        "two_groups_k": {str(v): {"two_groups_k": v} for v in sorted({*two_groups()[0], base["two_groups_k"]})},
         "guided_from_bytes": {str(v): {"guided_from_bytes": v} for v in froms},
         "guided_min_bytes": {str(v): {"guided_min_bytes": v} for v in mins},
         "att_split_k": {str(v): {"att_split_k": v} for v in sorted({*ATT_SPLIT_K, base["att_split_k"]})},
@@ -309,7 +326,7 @@ class _Bench:
             walks = -(-past_llc(mb * MB) // (tiles * tile_bytes))   # cycled, they stream from memory
             self.walk[fmt] = tiles * tile
             self.W[fmt] = kernels.pack(kernels.random_qtensor(fmt, walks * tiles * tile, COLS, seed=tiles))
-        for k in sorted({1, *MULTI_K, *SINGLE_K}):
+        for k in sorted({1, *MULTI_K, *SINGLE_K, *STREAMS_K, *two_groups()[1]}):
             x = rng.standard_normal((k, COLS), dtype=np.float32)
             self.acts[k] = kernels.Acts(x, self.path_name)
 
@@ -519,6 +536,8 @@ def _bar_rounds(stage: str, rounds: int, threads: int = 1, base: dict | None = N
     """The progress bar's rounds for one timing of a stage's candidates on `threads` threads."""
     if stage in ONE_THREAD:   # its timings from memory, each on every thread and on one, and its cached timing
         return rounds * (len(stream_timings(stage, base or defaults())) * (2 if threads > 1 else 1) + 1)
+    if stage == "two_groups_k":     # from memory, and cached at each format and token count
+        return rounds * (1 + 2 * len(two_groups()[1]))
     return rounds * (3 if stage in SPLIT_TIMERS else 1)
 
 
@@ -527,6 +546,8 @@ def _times(stage: str, cands: dict[str, dict], b: _Bench, base: dict, rounds: in
         return _held_up(SPLIT_TIMERS[stage], b, base, cands, rounds, bar)
     if stage in ONE_THREAD:
         return _stream_times(stage, b, base, cands, rounds, bar)
+    if stage == "two_groups_k":
+        return _groups_times(b, base, cands, rounds, bar)
     sample = _stage_samplers(b)[stage]
     return _per_round({n: (lambda sets=sets: (apply({**base, **sets}), sample())[1]) for n, sets in cands.items()},
                       rounds, bar)
@@ -550,6 +571,28 @@ def _stream_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rou
                 timings.append(_per_round(fns, rounds, bar))
     default = _label(cands, base)
     return _past_limit(_worse_of(timings, default), _worse_of([cached], None))
+
+
+def _groups_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
+    """two_groups_k's ratios to the default per round: both formats from memory, summed over the
+    token counts that tell the candidates apart, and the worst cached timing where that is past
+    CACHED_LIMIT, of each format at each token count the candidate takes in a different number of
+    groups from the default (the others run the same code): one group reads the weights once,
+    which pays from memory, but its accumulators crowd the registers, which costs from cache.
+    The cached timing is against the values chosen so far with the default grouping, so it
+    weighs the grouping's own cost; what the stream count costs from cache is its stage's."""
+    ks, fmts = two_groups()[1], ("q4", "q8")
+    fns = {n: (lambda sets=sets: (apply({**base, **sets}), _summed(b.matmul(fmt, k) for fmt in fmts for k in ks))[1])
+           for n, sets in cands.items()}
+    untuned = defaults()["two_groups_k"]
+    settings = {**{n: {**base, **sets} for n, sets in cands.items()}, None: {**base, "two_groups_k": untuned}}
+    cached = {(fmt, k): _worse_of([_cached_times(b, fmt, [k], settings, rounds, bar)], None) for fmt in fmts for k in ks}
+
+    def worst(n: str) -> list[float]:
+        lo, hi = sorted((cands[n]["two_groups_k"], untuned))
+        moved = [key for key in cached if lo <= key[1] < hi]
+        return [max([1.0, *(cached[key][n][r] for key in moved)]) for r in range(rounds)]
+    return _past_limit(_worse_of([_per_round(fns, rounds, bar)], _label(cands, base)), {n: worst(n) for n in cands})
 
 
 def _cached_times(b: _Bench, fmt: str, ks: list[int], settings: dict, rounds: int, bar) -> dict:
@@ -580,7 +623,7 @@ def tune(progress: bool = True, mb: int = 64, rounds: int = 10, reps: int = 3,
     # what this path and pool can move
     prefetching, split, registers = b.path_name != "scalar", b.pool.threads > 1, b.path_name == "avx512vnni"
     split_stages = (*SPLIT_TIMERS, "att_split_k")      # only a pool's split moves them
-    run = [s for s in stages if (split if s in split_stages else registers if s in MEM_ACC else prefetching)]
+    run = [s for s in stages if (split if s in split_stages else registers if s in REGISTERS else prefetching)]
     measured, chosen, confirmed = {}, {}, {}
     read_before, trip_before = b.read_gbps(), round_trip_ns(b.pool)
     try:

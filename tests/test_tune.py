@@ -338,6 +338,10 @@ def test_moves_says_which_passes_a_change_can_touch():
         (("att_split_k", 8),): {8},                              # attention's tasks from 8 tokens
         (("att_kv_l2_k", 2),): {2, 3, 4, 8},                     # attention's requests from 2 tokens
         (("att_kv_l2_k", 1),): {1, 2, 3, 4, 8},                  # and from one
+        (("two_groups_k", 8),): {8},                             # eight tokens in two groups, not one
+        (("two_groups_k", 6),): {8},                             # and from six (none of the others)
+        (("two_groups_k", 13),): set(),                          # 9 to 12 tokens in one group
+
         (): set(),
     }
     for changes, ks in cases.items():
@@ -488,6 +492,34 @@ def test_a_one_token_candidate_much_slower_from_cache_loses(restore, monkeypatch
     times = tune._times("prefetch_k1_q8", cands, b, base, 3, None)
     assert times[other] == [pytest.approx(judged)] * 3 and times[default] == [1.0] * 3
     assert tune._pick(times, default)[0] == (other if judged < 1 else default)
+
+
+@pytest.mark.parametrize("slow_k, judged", [(None, 0.9), (7, 0.9), (12, 1.2), (16, 1.2)])
+def test_one_group_much_slower_from_cache_at_any_token_count_loses(restore, monkeypatch, slow_k, judged):
+    """two_groups_k: one group up to 16 tokens, 10% faster from memory (both formats over the token
+    counts that tell the candidates apart), is judged by its cached timing at each token count
+    it takes in one group where the defaults take two (12 and 16), each apart: 20% slower there
+    at one of them counts (summed with the others it would fall under CACHED_LIMIT). At seven
+    tokens both run one group, the same code, so a slower cached timing there is noise."""
+    cands = tune.candidates()["two_groups_k"]
+    assert tune.two_groups() == ((6, 8, 9, 13, 17), (7, 8, 12, 16))
+    base = tune.defaults()
+    default, other = tune._label(cands, base), "17"
+    b, seen = tune._Bench(1, 1, 1), []
+    monkeypatch.setattr(b, "matmul", lambda fmt, k: seen.append((fmt, k)) or [1.0])
+    monkeypatch.setattr(b, "cached", lambda fmt, k: [100.0 + k])     # the cached timing, and its k
+
+    def per_round(fns, rounds, bar):
+        def ratio(n, secs):
+            if secs < 100:
+                return 0.9 if n == other else 1.0
+            return 1.2 if n == other and secs - 100 == slow_k else 1.0
+        return {n: [ratio(n, fn()[0])] * rounds for n, fn in fns.items()}
+    monkeypatch.setattr(tune, "_per_round", per_round)
+    times = tune._times("two_groups_k", cands, b, base, 3, None)
+    assert sorted(set(seen)) == sorted((fmt, k) for fmt in ("q4", "q8") for k in (7, 8, 12, 16))
+    assert times[other] == [pytest.approx(judged)] * 3 and times[default] == [1.0] * 3
+    assert tune._bar_rounds("two_groups_k", 3) == 3 * 9
 
 
 def test_the_cached_timing_is_a_product_from_l2_on_one_thread():
