@@ -138,6 +138,10 @@ struct Tuning {
     // (MAX_STREAMS) equal parts of its tiles, a block of each in turn. One core kept more lines
     // in flight over several streams than over one (docs/tuning.md).
     int q4_streams = 1, q8_streams = 1;
+    // The most streams the AVX-512 kernel reads a share in from nine tokens on, 1 or 2: two
+    // streams keep twice the accumulators, which read faster from memory and slower from cache
+    // (docs/tuning.md).
+    int streams_k9 = 1;
     // From this many tokens the AVX-512 kernel takes a tile's tokens in two groups, the second
     // reading the tiles' weights again from cache: in one group, one accumulator a token and
     // stream beside a block's 8 weight registers crowds the 32 registers (docs/tuning.md).

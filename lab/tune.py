@@ -48,9 +48,10 @@ STREAMS = {f"{fmt}_streams": fmt for fmt in ("q4", "q8")}      # field -> its fo
 # k >= 2: each format's (into L1, into L2) distance fields, and its stage
 MULTI = {"q4": ("prefetch_l1_k", "prefetch_l2_k"), "q8": ("prefetch_l1_k_q8", "prefetch_l2_k_q8")}
 MULTI_STAGE = {"q4": "prefetch_k", "q8": "prefetch_k_q8"}
-FIELDS = ("prefetch_k1", "prefetch_k1_q8", *MULTI["q4"], *MULTI["q8"], *FLAGS, *STREAMS, "two_groups_k",
+FIELDS = ("prefetch_k1", "prefetch_k1_q8", *MULTI["q4"], *MULTI["q8"], *FLAGS, *STREAMS, "streams_k9", "two_groups_k",
           "guided_min_bytes", "guided_from_bytes", "att_split_k", "att_kv_l2_k")
-REGISTERS = (*MEM_ACC, "two_groups_k")     # where the AVX-512 kernel keeps its accumulators: its path's only
+REGISTERS = (*MEM_ACC, "streams_k9", "two_groups_k")   # where the AVX-512 kernel keeps its accumulators: its path's only
+STREAMS_K9 = (12, 16)   # the token counts streams_k9 is judged on (it moves nine tokens and more)
 MB = 1 << 20
 # What the tuner tries besides the default (which it always tries).
 PREFETCH_K1 = (0, 1024, 2048, 4096, 8192, 16384)   # per format; 0: the hardware prefetcher alone
@@ -107,6 +108,8 @@ def moves(a: dict, b: dict, k: int) -> bool:
     for f in ("att_split_k", "att_kv_l2_k"):          # attention's choices, from a token count on
         if f in diff and k >= min(x[f] for x in (a, b) if x[f]):
             return True
+    if "streams_k9" in diff and k >= 9:
+        return True
     lo, hi = sorted((a["two_groups_k"], b["two_groups_k"]))
     if lo <= k < hi:                                   # one group under one tuning, two under the other
         return True
@@ -170,6 +173,7 @@ def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
         **{f: {str(v): {f: v} for v in sorted({*stream_counts(), base[f]})} for f in STREAMS},
         **{f: {str(v): {f: v} for v in vs} for f, vs in k1.items()},
         **{MULTI_STAGE[fmt]: {f"{a}/{b}": {l1: a, l2: b} for a, b in pairs[fmt]} for fmt, (l1, l2) in MULTI.items()},
+        "streams_k9": {str(v): {"streams_k9": v} for v in (1, 2)},
         **{f: {str(v).lower(): {f: v} for v in (False, True)} for f in (*SINGLE, *MEM_ACC)},
         "two_groups_k": {str(v): {"two_groups_k": v} for v in sorted({*two_groups()[0], base["two_groups_k"]})},
         "guided_from_bytes": {str(v): {"guided_from_bytes": v} for v in froms},
@@ -326,7 +330,7 @@ class _Bench:
             walks = -(-past_llc(mb * MB) // (tiles * tile_bytes))   # cycled, they stream from memory
             self.walk[fmt] = tiles * tile
             self.W[fmt] = kernels.pack(kernels.random_qtensor(fmt, walks * tiles * tile, COLS, seed=tiles))
-        for k in sorted({1, *MULTI_K, *SINGLE_K, *STREAMS_K, *two_groups()[1]}):
+        for k in sorted({1, *MULTI_K, *SINGLE_K, *STREAMS_K, *STREAMS_K9, *two_groups()[1]}):
             x = rng.standard_normal((k, COLS), dtype=np.float32)
             self.acts[k] = kernels.Acts(x, self.path_name)
 
@@ -538,6 +542,8 @@ def _bar_rounds(stage: str, rounds: int, threads: int = 1, base: dict | None = N
         return rounds * (len(stream_timings(stage, base or defaults())) * (2 if threads > 1 else 1) + 1)
     if stage == "two_groups_k":     # from memory, and cached at each format and token count
         return rounds * (1 + 2 * len(two_groups()[1]))
+    if stage == "streams_k9":
+        return rounds * (1 + 2 * len(STREAMS_K9))
     return rounds * (3 if stage in SPLIT_TIMERS else 1)
 
 
@@ -548,6 +554,8 @@ def _times(stage: str, cands: dict[str, dict], b: _Bench, base: dict, rounds: in
         return _stream_times(stage, b, base, cands, rounds, bar)
     if stage == "two_groups_k":
         return _groups_times(b, base, cands, rounds, bar)
+    if stage == "streams_k9":
+        return _k9_times(b, base, cands, rounds, bar)
     sample = _stage_samplers(b)[stage]
     return _per_round({n: (lambda sets=sets: (apply({**base, **sets}), sample())[1]) for n, sets in cands.items()},
                       rounds, bar)
@@ -571,6 +579,20 @@ def _stream_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rou
                 timings.append(_per_round(fns, rounds, bar))
     default = _label(cands, base)
     return _past_limit(_worse_of(timings, default), _worse_of([cached], None))
+
+
+def _k9_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
+    """streams_k9's ratios to the default per round: both formats from memory, summed over
+    STREAMS_K9, and each format and token count's cached timing against the untuned defaults where
+    that is past CACHED_LIMIT: two streams keep twice the accumulators, which pays from memory and
+    costs from cache."""
+    fmts = ("q4", "q8")
+    fns = {n: (lambda sets=sets: (apply({**base, **sets}), _summed(b.matmul(fmt, k) for fmt in fmts
+                                                                   for k in STREAMS_K9))[1])
+           for n, sets in cands.items()}
+    settings = {**{n: {**base, **sets} for n, sets in cands.items()}, None: defaults()}
+    cached = [_cached_times(b, fmt, [k], settings, rounds, bar) for fmt in fmts for k in STREAMS_K9]
+    return _past_limit(_worse_of([_per_round(fns, rounds, bar)], _label(cands, base)), _worse_of(cached, None))
 
 
 def _groups_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:

@@ -338,6 +338,7 @@ def test_moves_says_which_passes_a_change_can_touch():
         (("att_split_k", 8),): {8},                              # attention's tasks from 8 tokens
         (("att_kv_l2_k", 2),): {2, 3, 4, 8},                     # attention's requests from 2 tokens
         (("att_kv_l2_k", 1),): {1, 2, 3, 4, 8},                  # and from one
+        (("streams_k9", 2),): set(),                             # nine tokens and more only
         (("two_groups_k", 8),): {8},                             # eight tokens in two groups, not one
         (("two_groups_k", 6),): {8},                             # and from six (none of the others)
         (("two_groups_k", 13),): set(),                          # 9 to 12 tokens in one group
@@ -520,6 +521,29 @@ def test_one_group_much_slower_from_cache_at_any_token_count_loses(restore, monk
     assert sorted(set(seen)) == sorted((fmt, k) for fmt in ("q4", "q8") for k in (7, 8, 12, 16))
     assert times[other] == [pytest.approx(judged)] * 3 and times[default] == [1.0] * 3
     assert tune._bar_rounds("two_groups_k", 3) == 3 * 9
+
+
+@pytest.mark.parametrize("cached_ratio, judged", [(1.04, 0.9), (1.12, 1.12)])
+def test_two_streams_past_eight_tokens_much_slower_from_cache_lose(restore, monkeypatch, cached_ratio, judged):
+    """streams_k9: two streams 10% faster from memory at 12 and 16 tokens (both formats) are judged
+    by each format and token count's cached timing against the untuned defaults too: 12% slower
+    from cache counts, 4% does not."""
+    cands = tune.candidates()["streams_k9"]
+    base = tune.defaults()
+    assert set(cands) == {"1", "2"} and tune._label(cands, base) == "1" and tune.STREAMS_K9 == (12, 16)
+    b, seen = tune._Bench(1, 1, 1), []
+    monkeypatch.setattr(b, "matmul", lambda fmt, k: seen.append((fmt, k)) or [1.0])
+    monkeypatch.setattr(b, "cached", lambda fmt, k: [100.0 + k])
+
+    def per_round(fns, rounds, bar):
+        def ratio(n, secs):
+            return (0.9 if secs < 100 else cached_ratio) if n == "2" else 1.0
+        return {n: [ratio(n, fn()[0])] * rounds for n, fn in fns.items()}
+    monkeypatch.setattr(tune, "_per_round", per_round)
+    times = tune._times("streams_k9", cands, b, base, 3, None)
+    assert sorted(set(seen)) == sorted((fmt, k) for fmt in ("q4", "q8") for k in (12, 16))
+    assert times["2"] == [pytest.approx(judged)] * 3 and times["1"] == [1.0] * 3
+    assert tune._pick(times, "1")[0] == ("2" if judged < 1 else "1")
 
 
 def test_the_cached_timing_is_a_product_from_l2_on_one_thread():
