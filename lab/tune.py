@@ -4,8 +4,9 @@ The choices (the C++ `Tuning`, kernels_cpp/lab.h): the SIMD kernels' prefetch di
 one token (per format) and for k >= 2, whether 1, 2, 3 and 4 tokens take the single-token scheme
 (per format), whether the AVX-512 kernel's 2- and 4-token accumulators go through memory (per
 format), how many streams each format's kernels read a thread's share in, from how many tokens
-the AVX-512 kernel takes a tile's tokens in two groups (also timed from cache), the matrix size from
-which the matmul split turns from static ranges to guided shares, and the guided split's
+the AVX-512 kernel takes a tile's tokens in two groups and its streams from nine tokens (both
+also timed from cache), the matrix size from which the matmul split turns from static ranges to
+guided shares, and the guided split's
 smallest share (both judged on quiet cores, with one core shared with a co-runner and with one
 worker slowed, lab.slowcore, keeping the value that holds up on all three; the single-token
 stages likewise on every thread and on one). None of them changes a result (tests/test_tune.py
