@@ -6,10 +6,9 @@ one token (per format) and for k >= 2, whether 1, 2, 3 and 4 tokens take the sin
 format), how many streams each format's kernels read a thread's share in, from how many tokens
 the AVX-512 kernel takes a tile's tokens in two groups and its streams from nine tokens (both
 also timed from cache), the matrix size from which the matmul split turns from static ranges to
-guided shares, and the guided split's
-smallest share (both judged on quiet cores, with one core shared with a co-runner and with one
-worker slowed, lab.slowcore, keeping the value that holds up on all three; the single-token
-stages likewise on every thread and on one). None of them changes a result (tests/test_tune.py
+guided shares, and the guided split's smallest share (both judged on quiet cores, with one core
+shared with a co-runner and with one worker slowed, lab.slowcore, keeping the value that holds
+up on all three; the single-token stages likewise on every thread and on one). None of them changes a result (tests/test_tune.py
 checks every candidate bit for bit); the choices that change arithmetic order stay fixed per
 kernel path.
 
