@@ -8,9 +8,9 @@ the AVX-512 kernel takes a tile's tokens in two groups and its streams from nine
 also timed from cache), the matrix size from which the matmul split turns from static ranges to
 guided shares, and the guided split's smallest share (both judged on quiet cores, with one core
 shared with a co-runner and with one worker slowed, lab.slowcore, keeping the value that holds
-up on all three; the single-token stages likewise on every thread and on one). None of them changes a result (tests/test_tune.py
-checks every candidate bit for bit); the choices that change arithmetic order stay fixed per
-kernel path.
+up on all three; the single-token stages likewise on every thread and on one). None of them
+changes a result (tests/test_tune.py checks every candidate bit for bit); the choices that change
+arithmetic order stay fixed per kernel path.
 
 `tune()` times each candidate against the default with the real kernels on a working set past the
 last-level cache, candidates interleaved round by round; the one with the lowest median ratio, if
