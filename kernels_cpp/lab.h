@@ -116,6 +116,7 @@ constexpr int MAX_STREAMS = 4;     // a kernel reads a share in a power of two o
 // Tuning::two_groups_k's range: the AVX-512 kernel has both shapes built for the token counts
 // between (one group up to TWO_GROUPS_LAST - 1 tokens, two groups from TWO_GROUPS_FIRST).
 constexpr int TWO_GROUPS_FIRST = 6, TWO_GROUPS_LAST = 17;
+constexpr int STREAMS_K9_FROM = 9;     // the token counts Tuning::streams_k9 caps: this many and more
 
 struct Tuning {
     // The SIMD kernels ask for their weight stream this far ahead, in bytes of a 4-bit stream

@@ -377,7 +377,7 @@ template <int FMT, int K, bool MEM, int MOST, bool TWO>
 static void groups(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1, const Tuning& tn,
                    const StreamAhead& ahead) {
     if constexpr (TWO ? K >= TWO_GROUPS_FIRST : K < TWO_GROUPS_LAST)
-        stream_groups(t0, t1, std::min({streams(FMT, tn), MOST, K >= 9 ? tn.streams_k9 : MOST}),
+        stream_groups(t0, t1, std::min({streams(FMT, tn), MOST, K >= STREAMS_K9_FROM ? tn.streams_k9 : MOST}),
                       [&](const int* tiles, int n) {
             if constexpr (MOST == 4)
                 if (n == 4) return tile_group<FMT, K, MEM, 4, TWO>(W, A, y, ldy, tiles, ahead);

@@ -140,7 +140,8 @@ def consts() -> SimpleNamespace:
         file_version=int(ns.MODEL_FILE_VERSION),
         window_block=int(ns.ATT_WINDOW_BLOCK),
         max_streams=int(ns.MAX_STREAMS),
-        two_groups=(int(ns.TWO_GROUPS_FIRST), int(ns.TWO_GROUPS_LAST)))
+        two_groups=(int(ns.TWO_GROUPS_FIRST), int(ns.TWO_GROUPS_LAST)),
+        streams_k9_from=int(ns.STREAMS_K9_FROM))
 
 
 def _path_names(ns) -> tuple[str, ...]:

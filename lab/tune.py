@@ -48,10 +48,11 @@ STREAMS = {f"{fmt}_streams": fmt for fmt in ("q4", "q8")}      # field -> its fo
 # k >= 2: each format's (into L1, into L2) distance fields, and its stage
 MULTI = {"q4": ("prefetch_l1_k", "prefetch_l2_k"), "q8": ("prefetch_l1_k_q8", "prefetch_l2_k_q8")}
 MULTI_STAGE = {"q4": "prefetch_k", "q8": "prefetch_k_q8"}
-FIELDS = ("prefetch_k1", "prefetch_k1_q8", *MULTI["q4"], *MULTI["q8"], *FLAGS, *STREAMS, "streams_k9", "two_groups_k",
+ACCUMULATORS = ("streams_k9", "two_groups_k")   # how many accumulators the AVX-512 kernel keeps: _register_times
+FIELDS = ("prefetch_k1", "prefetch_k1_q8", *MULTI["q4"], *MULTI["q8"], *FLAGS, *STREAMS, *ACCUMULATORS,
           "guided_min_bytes", "guided_from_bytes", "att_split_k", "att_kv_l2_k")
-REGISTERS = (*MEM_ACC, "streams_k9", "two_groups_k")   # where the AVX-512 kernel keeps its accumulators: its path's only
-STREAMS_K9 = (12, 16)   # the token counts streams_k9 is judged on (it moves nine tokens and more)
+REGISTERS = (*MEM_ACC, *ACCUMULATORS)   # where the AVX-512 kernel keeps its accumulators: its path's only
+STREAMS_K9 = (12, 16)   # the token counts streams_k9 is judged on (it moves STREAMS_K9_FROM tokens and more)
 MB = 1 << 20
 # What the tuner tries besides the default (which it always tries).
 PREFETCH_K1 = (0, 1024, 2048, 4096, 8192, 16384)   # per format; 0: the hardware prefetcher alone
@@ -108,7 +109,7 @@ def moves(a: dict, b: dict, k: int) -> bool:
     for f in ("att_split_k", "att_kv_l2_k"):          # attention's choices, from a token count on
         if f in diff and k >= min(x[f] for x in (a, b) if x[f]):
             return True
-    if "streams_k9" in diff and k >= 9:
+    if "streams_k9" in diff and k >= native.consts().streams_k9_from:
         return True
     lo, hi = sorted((a["two_groups_k"], b["two_groups_k"]))
     if lo <= k < hi:                                   # one group under one tuning, two under the other
@@ -540,10 +541,8 @@ def _bar_rounds(stage: str, rounds: int, threads: int = 1, base: dict | None = N
     """The progress bar's rounds for one timing of a stage's candidates on `threads` threads."""
     if stage in ONE_THREAD:   # its timings from memory, each on every thread and on one, and its cached timing
         return rounds * (len(stream_timings(stage, base or defaults())) * (2 if threads > 1 else 1) + 1)
-    if stage == "two_groups_k":     # from memory, and cached at each format and token count
-        return rounds * (1 + 2 * len(two_groups()[1]))
-    if stage == "streams_k9":
-        return rounds * (1 + 2 * len(STREAMS_K9))
+    if stage in ACCUMULATORS:     # from memory, and cached at each format and token count
+        return rounds * (1 + 2 * len(_register_ks(stage)))
     return rounds * (3 if stage in SPLIT_TIMERS else 1)
 
 
@@ -552,10 +551,8 @@ def _times(stage: str, cands: dict[str, dict], b: _Bench, base: dict, rounds: in
         return _held_up(SPLIT_TIMERS[stage], b, base, cands, rounds, bar)
     if stage in ONE_THREAD:
         return _stream_times(stage, b, base, cands, rounds, bar)
-    if stage == "two_groups_k":
-        return _groups_times(b, base, cands, rounds, bar)
-    if stage == "streams_k9":
-        return _k9_times(b, base, cands, rounds, bar)
+    if stage in ACCUMULATORS:
+        return _register_times(stage, b, base, cands, rounds, bar)
     sample = _stage_samplers(b)[stage]
     return _per_round({n: (lambda sets=sets: (apply({**base, **sets}), sample())[1]) for n, sets in cands.items()},
                       rounds, bar)
@@ -581,38 +578,28 @@ def _stream_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rou
     return _past_limit(_worse_of(timings, default), _worse_of([cached], None))
 
 
-def _k9_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
-    """streams_k9's ratios to the default per round: both formats from memory, summed over
-    STREAMS_K9, and each format and token count's cached timing against the untuned defaults where
-    that is past CACHED_LIMIT: two streams keep twice the accumulators, which pays from memory and
-    costs from cache."""
-    fmts = ("q4", "q8")
-    fns = {n: (lambda sets=sets: (apply({**base, **sets}), _summed(b.matmul(fmt, k) for fmt in fmts
-                                                                   for k in STREAMS_K9))[1])
-           for n, sets in cands.items()}
-    settings = {**{n: {**base, **sets} for n, sets in cands.items()}, None: defaults()}
-    cached = [_cached_times(b, fmt, [k], settings, rounds, bar) for fmt in fmts for k in STREAMS_K9]
-    return _past_limit(_worse_of([_per_round(fns, rounds, bar)], _label(cands, base)), _worse_of(cached, None))
+def _register_ks(stage: str) -> tuple[int, ...]:
+    """The token counts an ACCUMULATORS stage is judged on."""
+    return STREAMS_K9 if stage == "streams_k9" else two_groups()[1]
 
 
-def _groups_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
-    """two_groups_k's ratios to the default per round: both formats from memory, summed over the
-    token counts that tell the candidates apart, and the worst cached timing where that is past
-    CACHED_LIMIT, of each format at each token count the candidate takes in a different number of
-    groups from the default (the others run the same code): one group reads the weights once,
-    which pays from memory, but its accumulators crowd the registers, which costs from cache.
-    The cached timing is against the values chosen so far with the default grouping, so it
-    weighs the grouping's own cost; what the stream count costs from cache is its stage's."""
-    ks, fmts = two_groups()[1], ("q4", "q8")
+def _register_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rounds: int,
+                    bar) -> dict[str, list[float]]:
+    """streams_k9's or two_groups_k's ratios to the default per round: both formats from memory,
+    summed over the stage's token counts, and the worst cached timing where that is past
+    CACHED_LIMIT, of each format at each of those counts where the candidate runs other code than
+    the reference (`moves`): more accumulators pay from memory and cost from cache. streams_k9 is
+    judged against the untuned defaults. two_groups_k against the values chosen so far with the
+    default grouping, so it weighs the grouping's own cost; the streams' cost is streams_k9's."""
+    ks, fmts = _register_ks(stage), ("q4", "q8")
     fns = {n: (lambda sets=sets: (apply({**base, **sets}), _summed(b.matmul(fmt, k) for fmt in fmts for k in ks))[1])
            for n, sets in cands.items()}
-    untuned = defaults()["two_groups_k"]
-    settings = {**{n: {**base, **sets} for n, sets in cands.items()}, None: {**base, "two_groups_k": untuned}}
+    reference = defaults() if stage == "streams_k9" else {**base, stage: defaults()[stage]}
+    settings = {**{n: {**base, **sets} for n, sets in cands.items()}, None: reference}
     cached = {(fmt, k): _worse_of([_cached_times(b, fmt, [k], settings, rounds, bar)], None) for fmt in fmts for k in ks}
 
     def worst(n: str) -> list[float]:
-        lo, hi = sorted((cands[n]["two_groups_k"], untuned))
-        moved = [key for key in cached if lo <= key[1] < hi]
+        moved = [key for key in cached if moves(settings[n], reference, key[1])]
         return [max([1.0, *(cached[key][n][r] for key in moved)]) for r in range(rounds)]
     return _past_limit(_worse_of([_per_round(fns, rounds, bar)], _label(cands, base)), {n: worst(n) for n in cands})
 
