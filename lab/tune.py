@@ -61,7 +61,10 @@ PREFETCH_K = ((0, 8192), (0, 16384), (1024, 8192), (1024, 16384), (2048, 8192), 
               (4096, 32768), (8192, 32768))
 MULTI_K = (4, 8)        # the token counts a multi-token distance is judged on: its stream binds at 4, arithmetic at 8
 STREAMS_K = (1, 8)      # the token counts a stream count is judged on: decode's, and the most arithmetic's in one group
-TWO_GROUPS_INNER = (8, 9, 13)   # two_groups_k's candidates beside its range's ends (native.consts().two_groups)
+# two_groups_k's candidates beside its range's ends (native.consts().two_groups). 10 takes nine
+# tokens, a verification of eight guesses, in one group: there the accumulators still fit the
+# registers, where from ten on one group reads slower from cache (docs/tuning.md).
+TWO_GROUPS_INNER = (8, 9, 10, 13)
 GUIDED_FROM = (1 * MB, 2 * MB, 4 * MB, 8 * MB, 16 * MB)
 SPLIT_SIZES = (1 * MB, 2 * MB, 4 * MB, 8 * MB)   # the matrix sizes the split threshold is judged on
 GUIDED_MIN = (32 << 10, 64 << 10, 192 << 10, 384 << 10)

@@ -499,11 +499,11 @@ def test_a_one_token_candidate_much_slower_from_cache_loses(restore, monkeypatch
 def test_one_group_much_slower_from_cache_at_any_token_count_loses(restore, monkeypatch, slow_k, judged):
     """two_groups_k: one group up to 16 tokens, 10% faster from memory (both formats over the token
     counts that tell the candidates apart), is judged by its cached timing at each token count
-    it takes in one group where the defaults take two (12 and 16), each apart: 20% slower there
+    it takes in one group where the defaults take two (9, 12 and 16), each apart: 20% slower there
     at one of them counts (summed with the others it would fall under CACHED_LIMIT). At seven
     tokens both run one group, the same code, so a slower cached timing there is noise."""
     cands = tune.candidates()["two_groups_k"]
-    assert tune.two_groups() == ((6, 8, 9, 13, 17), (7, 8, 12, 16))
+    assert tune.two_groups() == ((6, 8, 9, 10, 13, 17), (7, 8, 9, 12, 16))
     base = tune.defaults()
     default, other = tune._label(cands, base), "17"
     b, seen = tune._Bench(1, 1, 1), []
@@ -518,9 +518,9 @@ def test_one_group_much_slower_from_cache_at_any_token_count_loses(restore, monk
         return {n: [ratio(n, fn()[0])] * rounds for n, fn in fns.items()}
     monkeypatch.setattr(tune, "_per_round", per_round)
     times = tune._times("two_groups_k", cands, b, base, 3, None)
-    assert sorted(set(seen)) == sorted((fmt, k) for fmt in ("q4", "q8") for k in (7, 8, 12, 16))
+    assert sorted(set(seen)) == sorted((fmt, k) for fmt in ("q4", "q8") for k in (7, 8, 9, 12, 16))
     assert times[other] == [pytest.approx(judged)] * 3 and times[default] == [1.0] * 3
-    assert tune._bar_rounds("two_groups_k", 3) == 3 * 9
+    assert tune._bar_rounds("two_groups_k", 3) == 3 * 11
 
 
 @pytest.mark.parametrize("cached_ratio, judged", [(1.04, 0.9), (1.12, 1.12)])
