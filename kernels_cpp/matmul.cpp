@@ -313,6 +313,8 @@ __attribute__((always_inline)) static inline void block_pass(const QActs& A, Blo
     // L2), except where the accumulators go through memory (3% slower there; docs/tuning.md).
     // Integer sums: the same bits either way.
     constexpr bool ONE_CHAIN = G >= 4 && !MEM;
+    // unrolled whole, or from ten tokens GCC keeps a loop and the accumulators go to memory
+#pragma GCC unroll 16
     for (int t = 0; t < G; t++) {
         const int8_t* a = A.q(tok0 + t) + b * QK;
         const int32_t* corr = A.corr(tok0 + t, FMT) + b;
