@@ -62,6 +62,11 @@ int attention_mode(int path, int mode, int head_dim);
 // ----------------------------------------------------------------------------
 
 using RowFn = void (*)(void* ctx, int begin, int end, int tid);
+// A piece of SPLIT_REDO work: into `scratch` (compute), or from it to where it belongs (commit).
+using PieceFn = void (*)(const void* job, int piece, float* scratch);
+constexpr int REDO_JOB_BYTES = 96;                  // a parallel_redo job's copied bytes, at most
+constexpr int REDO_MAX_PIECES = 4096;
+constexpr int REDO_SCRATCH_FLOATS = 64 * 16 * 16;    // a thread's scratch: 64 tiles of 16 tokens
 
 class ThreadPool {
 public:
@@ -76,7 +81,16 @@ public:
     // `chunk` items handed out from an atomic counter when chunk > 0; guided when chunk < 0:
     // each hand-out takes a 1/(2 x threads) share of what is left, never fewer than -chunk;
     // SPLIT_WEIGHTED: static ranges sized to the threads' speeds in earlier weighted calls.
+    // A static range whose worker has not come for it by the time thread 0 has finished its
+    // own (the OS took the worker's core, or it sleeps) is run by thread 0 instead.
     void parallel_for(int n, int chunk, RowFn fn, void* ctx);
+    // SPLIT_REDO: `pieces` pieces handed out one at a time, each computed into the thread's
+    // scratch and committed by the first thread to finish it; once the pieces run out, thread 0
+    // computes any still unwritten whose holder has not finished within a few of its own pieces'
+    // time. It returns when every piece is written, even while a worker is still inside one:
+    // `job` (job_bytes <= REDO_JOB_BYTES) is copied, and whatever it points to must outlive the
+    // call until wait_redo_workers() (a late worker still reads it; it never writes).
+    void parallel_redo(int pieces, PieceFn compute, PieceFn commit, const void* job, int job_bytes);
     // Emulates a slower core for the threads section (lab.slowcore): thread tid's pieces of
     // work each take `factor` times as long; a factor of 1 or less turns it off.
     void slow(int tid, double factor);
@@ -88,6 +102,8 @@ private:
 };
 
 int online_cpus();
+// Waits until no pool's worker is inside a parallel_redo job: before freeing what one may read.
+void wait_redo_workers();
 
 // The matmuls' split: guided, shares shrinking to Tuning::guided_min_bytes of weights, because
 // a weight stream wants long runs per thread (each jump restarts the prefetchers and strands
@@ -101,6 +117,11 @@ constexpr int SPLIT_GUIDED = -1;
 // gets less; equal ranges while the threads run within WEIGHT_BAND of each other. The small
 // matrices of the guided split go this way.
 constexpr int SPLIT_WEIGHTED = -(1 << 30);
+// The guided split's matrices in pieces that either thread may compute (ThreadPool::parallel_redo):
+// a piece's result is the same bits whoever computes it, so thread 0 need not wait for a worker
+// the OS has taken away for a scheduler slice, as beside another busy process. The engine's
+// matmuls only (Model waits for late workers before freeing what they read).
+constexpr int SPLIT_REDO = -(1 << 29);
 constexpr double WEIGHT_BAND = 1.10;
 // A windowed attention's recent positions start on a multiple of this, whole tiles of its
 // scores and values, so a task's tiles never span the positions it skips.
@@ -297,6 +318,10 @@ enum MatmulStatus : int {
 // the pool by tiles of 16 rows: chunk 0 static, n > 0 n tiles at a time, SPLIT_GUIDED.
 int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path,
            ThreadPool* pool, int chunk);
+// The same, returning under SPLIT_REDO while a late worker may still read W and A: the
+// engine's, whose matrices and activations outlive its passes (it waits before freeing them).
+int matmul_unwaited(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path,
+                    ThreadPool* pool, int chunk);
 
 // Times `reps` walks, each over the next walk_tiles tiles of W in one matmul call per
 // consecutive slice of slice_tiles tiles, as a model's layers make them. The walks cycle

@@ -440,7 +440,62 @@ QMat make_qmat(int fmt, int rows, int cols, const uint16_t* d, const uint8_t* q)
     return QMat{fmt, rows, cols, d, q};
 }
 
+// SPLIT_REDO: a piece is up to 64 consecutive tiles, computed as a matrix of its own (tile
+// offsets add up, formats.h) into a thread's scratch, its rows then copied to y.
+struct RedoMatmul {
+    PackedMat W;
+    const QActs* A;
+    float* y;
+    int64_t ldy;
+    TilesFn fn;
+    int piece_tiles;
+
+    PackedMat piece(int p) const {
+        const int t0 = p * piece_tiles;
+        const TileOffsets at = tile_offsets(W.fmt, W.cols / QK, t0, 0);
+        PackedMat v = W;
+        v.d = W.d + at.d;
+        v.q = W.q + at.q;
+        v.tiles = std::min(piece_tiles, W.tiles - t0);
+        v.rows = std::min(v.tiles * TILE, W.rows - t0 * TILE);
+        return v;
+    }
+    static void compute(const void* job, int p, float* scratch) {
+        const RedoMatmul& m = *(const RedoMatmul*)job;
+        const PackedMat v = m.piece(p);
+        m.fn(v, *m.A, scratch, v.rows, 0, v.tiles);
+    }
+    static void commit(const void* job, int p, float* scratch) {
+        const RedoMatmul& m = *(const RedoMatmul*)job;
+        const PackedMat v = m.piece(p);
+        float* y0 = m.y + (int64_t)p * m.piece_tiles * TILE;
+        for (int t = 0; t < m.A->k(); t++) std::memcpy(y0 + t * m.ldy, scratch + (int64_t)t * v.rows, v.rows * sizeof(float));
+    }
+};
+static_assert(sizeof(RedoMatmul) <= REDO_JOB_BYTES, "a SPLIT_REDO job fits the pool's copy");
+static_assert(REDO_SCRATCH_FLOATS >= 64 * TILE * MAX_K, "a piece fits a thread's scratch");
+
+// Pieces of a quarter of a thread's share, from guided_min_bytes up to 64 tiles: small enough
+// that a piece held by a worker gone missing costs little to compute again, long enough for
+// the kernel's streams.
+static void redo(const PackedMat& W, const QActs& A, float* y, int64_t ldy, TilesFn fn, ThreadPool* pool) {
+    const Tuning tn = tuning();
+    const int64_t tile_bytes = packed_nbytes(W.fmt, TILE, W.cols);
+    const int least = (int)std::min<int64_t>(64, (tn.guided_min_bytes + tile_bytes - 1) / tile_bytes);
+    const int piece = std::clamp((W.tiles + 4 * pool->size() - 1) / (4 * pool->size()), least, 64);
+    const RedoMatmul job{W, &A, y, ldy, fn, piece};
+    pool->parallel_redo((W.tiles + job.piece_tiles - 1) / job.piece_tiles, RedoMatmul::compute, RedoMatmul::commit,
+                        &job, sizeof job);
+}
+
 int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path, ThreadPool* pool, int chunk) {
+    const int rc = matmul_unwaited(W, A, y, ldy, path, pool, chunk);
+    if (chunk == SPLIT_REDO) wait_redo_workers();   // the caller may free W and A once this returns
+    return rc;
+}
+
+int matmul_unwaited(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path, ThreadPool* pool,
+                    int chunk) {
     if (W.fmt != FMT_Q4 && W.fmt != FMT_Q8) return MM_BAD_FORMAT;
     if (W.cols != A.cols() || W.cols % QK != 0 || W.rows < 1 || ldy < W.rows ||
         W.tiles != tile_count(W.rows))
@@ -448,6 +503,11 @@ int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path, 
     if (A.k() < 1 || A.k() > MAX_K) return MM_BAD_K;
     if (!path_supported(path)) return MM_PATH_UNSUPPORTED;
     const TilesFn fn = tiles_for(path, W.fmt);
+    if (chunk == SPLIT_REDO && pool && pool->size() > 1 && W.tiles <= 64 * REDO_MAX_PIECES) {
+        redo(W, A, y, ldy, fn, pool);
+        return MM_OK;
+    }
+    if (chunk == SPLIT_REDO) chunk = SPLIT_GUIDED;
     if (chunk == SPLIT_GUIDED) {    // the pool's smallest share in tiles, from bytes; small matrices weighted static
         const Tuning tn = tuning();
         const int64_t tile_bytes = packed_nbytes(W.fmt, TILE, W.cols);

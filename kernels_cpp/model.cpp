@@ -511,7 +511,10 @@ bool Model::Impl::bind_trim() {
 }
 
 Model::Model() : impl_(new Impl) {}
-Model::~Model() { delete impl_; }
+Model::~Model() {
+    wait_redo_workers();    // a late SPLIT_REDO worker may still read the weights and activations
+    delete impl_;
+}
 const char* Model::error() const { return impl_->err.c_str(); }
 const FileHeader& Model::config() const { return impl_->h; }
 int Model::max_context() const { return impl_->max_ctx; }
@@ -715,7 +718,7 @@ int Model::Impl::mm(const Mat& W, const float* xin, int k, float* y, int rows, T
     PackedMat pm = W.pm;
     pm.rows = rows;
     pm.tiles = (int)tile_count(rows);
-    const int rc = matmul(pm, acts, y, ldy, path, pool, chunk_tiles);
+    const int rc = matmul_unwaited(pm, acts, y, ldy, path, pool, chunk_tiles);
     lap(stage);
     return rc == MM_OK ? E_OK : E_PATH;
 }

@@ -46,7 +46,10 @@ void* alloc_huge(size_t bytes) {
 Buffer::~Buffer() { std::free(p_); }
 
 Packed::Packed() = default;
-Packed::~Packed() { std::free(mem_); }
+Packed::~Packed() {
+    wait_redo_workers();    // a late SPLIT_REDO worker may still read the weights
+    std::free(mem_);
+}
 
 int64_t Packed::nbytes() const {
     return mem_ ? packed_nbytes(m_.fmt, m_.rows, m_.cols) : 0;
@@ -56,6 +59,7 @@ int64_t Packed::nbytes() const {
 // (PackedMat); every block's bytes set to `fill` in every row.
 static void take_regions(void*& mem, int fmt, int rows, int cols, uint8_t fill, uint16_t** d, uint8_t** q) {
     const int64_t n = packed_nbytes(fmt, rows, cols);
+    wait_redo_workers();        // a late SPLIT_REDO worker may still read the old matrix
     std::free(mem);
     mem = alloc_huge((size_t)n);
     std::memset(mem, 0, (size_t)n);

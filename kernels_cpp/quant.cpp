@@ -254,11 +254,15 @@ static int quantize_act_avx512(const float* x, int8_t* q, float* d, int32_t* s, 
 // ============================================================================
 
 QActs::QActs() = default;
-QActs::~QActs() { std::free(mem_); }
+QActs::~QActs() {
+    wait_redo_workers();    // a late SPLIT_REDO worker may still read the activations
+    std::free(mem_);
+}
 
 // One allocation, 64-byte aligned regions: q (32 bytes a block), then d, s, c4, c8, e23.
 void QActs::reserve(int64_t blocks) {
     if (blocks <= cap_) return;
+    wait_redo_workers();
     std::free(mem_);
     const size_t bytes = (size_t)blocks * (QK + 5 * 4) + 6 * 64;
     mem_ = std::aligned_alloc(64, (bytes + 63) / 64 * 64);

@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
+#include <memory>
 #include <thread>
 
 namespace lab {
@@ -18,6 +20,10 @@ namespace lab {
 namespace {
 constexpr int kSpinsBeforeSleep = 1 << 16;
 thread_local bool t_pinned_by_scope = false;
+std::atomic<int> g_redo_inside{0};     // workers inside a parallel_redo job, over every pool
+constexpr int kSlots = 8;               // jobs a late worker may fall behind before its job's slot is reused
+constexpr int kJobWords = REDO_JOB_BYTES / 8;
+static_assert(REDO_JOB_BYTES % 8 == 0, "a job is copied in whole words");
 
 bool pin_self(int cpu) {
     cpu_set_t set;
@@ -36,6 +42,25 @@ std::vector<int> allowed_cpus() {
 }
 }  // namespace
 
+// A job as the workers read it: written by thread 0 before the job's generation is published,
+// and, for a parallel_redo job, read back by a worker that may run late, so it is checked
+// against the generation before and after (a seqlock) instead of trusted.
+struct alignas(64) Slot {
+    std::atomic<uint32_t> gen{0};           // 0 while being written
+    std::atomic<int> next{0};               // parallel_redo: pieces handed out
+    std::atomic<uint64_t> words[4 + kJobWords] = {};   // redo?, pieces, epoch, compute, commit, the job
+};
+
+// A worker's copy of a parallel_redo job.
+struct RedoJob {
+    bool redo = false;
+    bool ranges = false;        // parallel_for: static ranges, else chunks handed out
+    int pieces = 0;             // parallel_redo's pieces, parallel_for's items
+    uint64_t epoch = 0;
+    PieceFn compute = nullptr, commit = nullptr;
+    uint64_t job[kJobWords];
+};
+
 struct ThreadPool::Impl {
     int n = 1;
     bool pin = false;
@@ -43,9 +68,14 @@ struct ThreadPool::Impl {
     std::vector<std::thread> threads;
 
     alignas(64) std::atomic<uint32_t> gen{0};
-    alignas(64) std::atomic<int> pending{0};
-    alignas(64) std::atomic<int> next{0};
+    alignas(64) std::atomic<uint64_t> next{0};      // handed-out chunks: epoch << 32 | the next item
+    alignas(64) std::atomic<int> done{0};           // items of handed-out chunks finished
     alignas(64) std::atomic<int> sleepers{0};
+    // Each thread's static range: epoch << 2 | 0 free, 1 taken by its thread, 2 taken by thread 0
+    // (its thread had not come for it), 3 finished. A range is claimed before anything of the
+    // job is read, so a worker late for a job thread 0 has finished reads nothing of it.
+    struct alignas(64) Claim { std::atomic<uint64_t> v{0}; };
+    std::unique_ptr<Claim[]> claims;
     std::atomic<bool> stop{false};
 
     RowFn fn = nullptr;
@@ -59,47 +89,160 @@ struct ThreadPool::Impl {
     std::vector<Spent> spent;
     int slow_tid = -1;          // ThreadPool::slow: the emulated slow core's thread, -1 for none
     double slow_extra = 0;      // its spin per unit of its work time: factor - 1
+    // parallel_redo: the jobs' slots, the job under way (0: none), each piece's last commit
+    // (epoch << 1, | 1 once written), and each thread's scratch
+    Slot slots[kSlots];
+    std::atomic<uint64_t> cur_epoch{0};
+    uint64_t epochs = 0;
+    std::unique_ptr<std::atomic<uint64_t>[]> commits{new std::atomic<uint64_t>[REDO_MAX_PIECES]()};
+    std::vector<std::unique_ptr<float[]>> scratch;
+
+    void publish(uint32_t g, const RedoJob& j) {
+        Slot& s = slots[g % kSlots];
+        s.gen.store(0, std::memory_order_relaxed);
+        std::atomic_thread_fence(std::memory_order_release);
+        const uint64_t head[4] = {(uint64_t)j.redo | (uint64_t)j.ranges << 1 | (uint64_t)j.pieces << 8, j.epoch, (uint64_t)j.compute,
+                                  (uint64_t)j.commit};
+        for (int i = 0; i < 4; i++) s.words[i].store(head[i], std::memory_order_relaxed);
+        for (int i = 0; j.redo && i < kJobWords; i++) s.words[4 + i].store(j.job[i], std::memory_order_relaxed);
+        s.next.store(0, std::memory_order_relaxed);
+        s.gen.store(g, std::memory_order_release);
+    }
+
+    // Job g as published, or false where its slot has since been reused (the job is long done).
+    bool read(uint32_t g, RedoJob& j) {
+        const Slot& s = slots[g % kSlots];
+        if (s.gen.load(std::memory_order_acquire) != g) return false;
+        uint64_t head[4];
+        for (int i = 0; i < 4; i++) head[i] = s.words[i].load(std::memory_order_relaxed);
+        j.redo = head[0] & 1;
+        j.ranges = head[0] >> 1 & 1;
+        for (int i = 0; j.redo && i < kJobWords; i++) j.job[i] = s.words[4 + i].load(std::memory_order_relaxed);
+        std::atomic_thread_fence(std::memory_order_acquire);
+        if (s.gen.load(std::memory_order_relaxed) != g) return false;
+        j.pieces = (int)(head[0] >> 8);
+        j.epoch = head[1];
+        j.compute = (PieceFn)head[2];
+        j.commit = (PieceFn)head[3];
+        return true;
+    }
+
+    bool taken(int p, uint64_t epoch) const { return commits[p].load(std::memory_order_acquire) >> 1 >= epoch; }
+
+    // Writes piece p from this thread's scratch if no thread has begun to.
+    void try_commit(const RedoJob& j, int p, float* scr) {
+        uint64_t v = commits[p].load(std::memory_order_acquire);
+        if (v >> 1 >= j.epoch || !commits[p].compare_exchange_strong(v, j.epoch << 1, std::memory_order_acq_rel))
+            return;
+        j.commit(j.job, p, scr);
+        commits[p].store(j.epoch << 1 | 1, std::memory_order_release);
+    }
+
+    // Piece p into thread tid's scratch, as slowly as ThreadPool::slow says.
+    void compute(const RedoJob& j, int p, int tid) {
+        const uint64_t t0 = __rdtsc();
+        j.compute(j.job, p, scratch[tid].get());
+        if (tid != slow_tid) return;
+        const uint64_t t1 = __rdtsc(), until = t1 + (uint64_t)((double)(t1 - t0) * slow_extra);
+        while (__rdtsc() < until) _mm_pause();
+    }
+
+    // Pieces handed out until none are left, or, for a worker, until the job is over; returns
+    // the cycles a piece took on average (0 for none).
+    uint64_t take_pieces(const RedoJob& j, Slot& s, int tid) {
+        uint64_t cycles = 0, done = 0;
+        for (;;) {
+            if (tid && cur_epoch.load() != j.epoch) break;
+            const int p = s.next.fetch_add(1, std::memory_order_relaxed);
+            if (p >= j.pieces) break;
+            if (taken(p, j.epoch)) continue;
+            const uint64_t t0 = __rdtsc();
+            compute(j, p, tid);
+            try_commit(j, p, scratch[tid].get());
+            cycles += __rdtsc() - t0;
+            done++;
+        }
+        return done ? cycles / done : 0;
+    }
+
+    // Thread 0, once the pieces are handed out: every piece written at this epoch, waiting for
+    // a holder `patience` cycles before computing its piece too.
+    void sweep(const RedoJob& j, uint64_t patience) {
+        for (int p = j.pieces - 1; p >= 0; p--) {
+            uint64_t since = 0;
+            for (;;) {
+                const uint64_t v = commits[p].load(std::memory_order_acquire);
+                if (v == (j.epoch << 1 | 1)) break;
+                const uint64_t now = __rdtsc();
+                if (!since) since = now;
+                if (v >> 1 == j.epoch || now - since < patience) {
+                    _mm_pause();        // being written, or its holder may yet finish
+                    continue;
+                }
+                compute(j, p, 0);
+                try_commit(j, p, scratch[0].get());
+            }
+        }
+    }
+
+    // Counted in g_redo_inside before anything the job points to is read, and only while the
+    // job is under way, so that once wait_redo_workers() has seen none, none will read it.
+    void redo_worker(const RedoJob& j, uint32_t g, int tid) {
+        g_redo_inside.fetch_add(1);
+        if (cur_epoch.load() == j.epoch) take_pieces(j, slots[g % kSlots], tid);
+        g_redo_inside.fetch_sub(1);
+    }
 
     // fn over [b, e) on thread tid. On the emulated slow core each piece is followed by a spin
     // as long as (factor - 1) times the piece, so every piece it takes, static or handed out,
     // takes `factor` times as long, as on a slower core, rather than the core going missing
     // for whole scheduler slices as it does beside a co-runner.
-    void run(int b, int e, int tid) {
-        if (tid != slow_tid) return fn(ctx, b, e, tid);
+    void run(int b, int e, int tid, int self) {
+        if (self != slow_tid) return fn(ctx, b, e, tid);
         const uint64_t t0 = __rdtsc();
         fn(ctx, b, e, tid);
         const uint64_t t1 = __rdtsc(), until = t1 + (uint64_t)((double)(t1 - t0) * slow_extra);
         while (__rdtsc() < until) _mm_pause();
     }
 
-    void work(int tid) {
-        if (chunk == SPLIT_WEIGHTED) {
-            const int b = bounds[tid], e = bounds[tid + 1];
-            const uint64_t t0 = __rdtsc();
-            if (b < e) run(b, e, tid);
-            spent[tid] = {__rdtsc() - t0, e - b};
-            return;
-        }
-        if (chunk == 0) {
-            const int b = (int)((int64_t)items * tid / n), e = (int)((int64_t)items * (tid + 1) / n);
-            if (b < e) run(b, e, tid);
-            return;
-        }
-        if (chunk < 0) {
-            int b = next.load(std::memory_order_relaxed);
-            while (b < items) {
-                const int share = (items - b) / (2 * n), c = share > -chunk ? share : -chunk;
-                if (!next.compare_exchange_weak(b, b + c, std::memory_order_relaxed)) continue;
-                run(b, b + c < items ? b + c : items, tid);
-                b = next.load(std::memory_order_relaxed);
-            }
-            return;
-        }
+    // Thread r's static range, run by thread `self` (r's own, or thread 0 taking it over).
+    void run_range(int r, int self) {
+        const bool weighted = chunk == SPLIT_WEIGHTED;
+        const int b = weighted ? bounds[r] : (int)((int64_t)items * r / n),
+                  e = weighted ? bounds[r + 1] : (int)((int64_t)items * (r + 1) / n);
+        const uint64_t t0 = __rdtsc();
+        if (b < e) run(b, e, r, self);
+        if (weighted) spent[r] = {__rdtsc() - t0, e - b};
+    }
+
+    bool claim(int r, uint64_t epoch, int how) {
+        uint64_t free = epoch << 2;
+        return claims[r].v.compare_exchange_strong(free, epoch << 2 | how, std::memory_order_acq_rel);
+    }
+
+    // Chunks of job j until none are left: fixed (chunk > 0) or guided (chunk < 0), each claimed
+    // before anything of the job is read. The item count is the job's own copy: once thread 0
+    // has seen every item done, it may set up the next job while `next` still says this one,
+    // and a worker that read the next job's larger count would claim items past this job's end.
+    void take_chunks(const RedoJob& j, int tid) {
+        const uint64_t epoch = j.epoch;
         for (;;) {
-            const int b = next.fetch_add(chunk, std::memory_order_relaxed);
-            if (b >= items) break;
-            run(b, b + chunk < items ? b + chunk : items, tid);
+            uint64_t v = next.load(std::memory_order_acquire);
+            const int b = (int)(uint32_t)v;
+            if (v >> 32 != epoch || b >= j.pieces) return;
+            const int share = (j.pieces - b) / (2 * n), c = chunk > 0 ? chunk : std::max(share, -chunk);
+            const int e = std::min(j.pieces, b + c);
+            if (!next.compare_exchange_weak(v, epoch << 32 | (uint32_t)e, std::memory_order_acq_rel)) continue;
+            run(b, e, tid, tid);
+            done.fetch_add(e - b, std::memory_order_release);
         }
+    }
+
+    void work(const RedoJob& j, int tid) {
+        if (!j.ranges) return take_chunks(j, tid);
+        if (!claim(tid, j.epoch, 1)) return;        // thread 0 has taken it over
+        run_range(tid, tid);
+        claims[tid].v.store(j.epoch << 2 | 3, std::memory_order_release);
     }
 
     void worker(int tid) {
@@ -120,8 +263,10 @@ struct ThreadPool::Impl {
             }
             seen = g;
             if (stop.load(std::memory_order_acquire)) return;
-            work(tid);
-            pending.fetch_sub(1, std::memory_order_acq_rel);
+            RedoJob j;
+            if (!read(g, j)) continue;      // a parallel_redo job long done without this worker
+            if (j.redo) redo_worker(j, g, tid);
+            else work(j, tid);
         }
     }
 
@@ -153,7 +298,8 @@ struct ThreadPool::Impl {
         }
     }
 
-    void start_job() {
+    void start_job(const RedoJob& j) {
+        publish(gen.load(std::memory_order_relaxed) + 1, j);
         gen.fetch_add(1);
         if (sleepers.load() > 0) gen.notify_all();
     }
@@ -167,12 +313,14 @@ ThreadPool::ThreadPool(int nthreads, const std::vector<int>& cpus, bool pin) : i
     p.share.assign(p.n, 0.0);
     p.bounds.assign(p.n + 1, 0);
     p.spent.assign(p.n, {});
+    p.claims.reset(new Impl::Claim[p.n]);
+    for (int t = 0; t < p.n; t++) p.scratch.emplace_back(new float[REDO_SCRATCH_FLOATS]);
     for (int t = 1; t < p.n; t++) p.threads.emplace_back([this, t] { impl_->worker(t); });
 }
 
 ThreadPool::~ThreadPool() {
     impl_->stop.store(true, std::memory_order_release);
-    impl_->start_job();
+    impl_->start_job(RedoJob{});
     for (auto& t : impl_->threads) t.join();
     delete impl_;
 }
@@ -191,17 +339,68 @@ void ThreadPool::parallel_for(int n, int chunk, RowFn fn, void* ctx) {
     if (n <= 0) return;
     p.fn = fn;
     p.ctx = ctx;
-    if (p.n == 1) return p.run(0, n, 0);
+    if (p.n == 1) return p.run(0, n, 0, 0);
     PinScope scope(this);
     p.items = n;
     p.chunk = chunk;
     if (chunk == SPLIT_WEIGHTED) p.weigh();
-    p.next.store(0, std::memory_order_relaxed);
-    p.pending.store(p.n - 1, std::memory_order_relaxed);
-    p.start_job();
-    p.work(0);
-    while (p.pending.load(std::memory_order_acquire) != 0) _mm_pause();
-    if (chunk == SPLIT_WEIGHTED) p.learn();
+    RedoJob j;
+    j.epoch = ++p.epochs;
+    j.ranges = chunk == 0 || chunk == SPLIT_WEIGHTED;
+    j.pieces = n;                   // a parallel_for job's items
+    for (int t = 0; t < p.n; t++) p.claims[t].v.store(j.epoch << 2, std::memory_order_relaxed);
+    p.next.store(j.epoch << 32, std::memory_order_relaxed);
+    p.done.store(0, std::memory_order_relaxed);
+    p.start_job(j);
+    if (!j.ranges) {
+        p.take_chunks(j, 0);
+        while (p.done.load(std::memory_order_acquire) < n) _mm_pause();
+        return;
+    }
+    p.work(j, 0);
+    // a worker that has not come for its range by the time thread 0 is done with its own is
+    // taken to be away (descheduled, or asleep): thread 0 runs that range itself
+    bool taken_over = false;
+    for (int t = 1; t < p.n; t++) {
+        if (p.claim(t, j.epoch, 2)) {
+            taken_over = true;
+            p.run_range(t, 0);
+            p.claims[t].v.store(j.epoch << 2 | 3, std::memory_order_release);
+        }
+        while (p.claims[t].v.load(std::memory_order_acquire) != (j.epoch << 2 | 3)) _mm_pause();
+    }
+    if (chunk == SPLIT_WEIGHTED && !taken_over) p.learn();
+}
+
+void ThreadPool::parallel_redo(int pieces, PieceFn compute, PieceFn commit, const void* job, int job_bytes) {
+    Impl& p = *impl_;
+    if (pieces <= 0) return;
+    RedoJob j;
+    j.redo = true;
+    j.pieces = pieces;
+    j.epoch = ++p.epochs;
+    j.compute = compute;
+    j.commit = commit;
+    std::memset(j.job, 0, sizeof j.job);
+    std::memcpy(j.job, job, std::min(job_bytes, REDO_JOB_BYTES));
+    if (p.n == 1 || pieces > REDO_MAX_PIECES) {      // more pieces than commits: thread 0 alone
+        for (int i = 0; i < pieces; i++) p.compute(j, i, 0), commit(j.job, i, p.scratch[0].get());
+        return;
+    }
+    PinScope scope(this);
+    const uint32_t g = p.gen.load(std::memory_order_relaxed) + 1;
+    p.publish(g, j);
+    p.cur_epoch.store(j.epoch);
+    p.gen.fetch_add(1);
+    if (p.sleepers.load() > 0) p.gen.notify_all();
+    const uint64_t piece = p.take_pieces(j, p.slots[g % kSlots], 0);
+    // a holder this much slower than thread 0's own pieces is taken to be away
+    p.sweep(j, piece ? 3 * piece : 1 << 18);
+    p.cur_epoch.store(0);
+}
+
+void wait_redo_workers() {
+    while (g_redo_inside.load() != 0) std::this_thread::yield();
 }
 
 PinScope::PinScope(ThreadPool* pool) {

@@ -29,8 +29,9 @@ import os, sys, time
 cpu, duty, period = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
 os.sched_setaffinity(0, {cpu})
 on, off = duty * period, (1 - duty) * period
+parent = os.getppid()
 print("ready", flush=True)
-while True:
+while os.getppid() == parent:     # a parent killed outright (kill -9) leaves no spinner behind
     end = time.perf_counter() + on
     while time.perf_counter() < end:
         pass

@@ -86,14 +86,15 @@ def matrices_record(per_round: list[dict], nbytes: dict, read_gbps: list[float])
             "between_part": float(np.median([b / (b + m) for b, m in zip(between, mats)]))}
 
 
-SPLITS = {"static": 0, "dynamic": 8, "guided": "guided"}   # names -> Engine.set_chunk
+SPLITS = {"static": 0, "dynamic": 8, "guided": "guided", "redo": "redo"}   # names -> Engine.set_chunk
 
 
 def threads_bench(target, draft, context: int = 256, gamma: int = 4, rounds: int = 5, reps: int = 3,
                   max_threads: int | None = None, duties=(0.0,), factors=()) -> list[dict]:
     """A draft step, a target step and a verification pass (gamma + 1 tokens), each timed under
     every configuration: thread count, pinned or not, and the split of tiles — static halves,
-    fixed 8-tile hand-outs ("dynamic") or shrinking shares ("guided", the engine's default) —
+    fixed 8-tile hand-outs ("dynamic"), shrinking shares ("guided", the engine's default) or
+    pieces thread 0 computes again rather than wait for an absent worker ("redo") —
     and under each condition of `slowcore.conditions`: a hybrid CPU's real performance and
     efficiency cores, elsewhere the last CPU shared with a co-runner busy each of `duties`, then
     its worker slowed by each of `factors` (emulated efficiency cores; each row has the

@@ -230,7 +230,7 @@ def test_every_split_gives_the_same_logits(files, pool):
     toks = prompts(TINY["tiny-qwen3"], 1, seed=3)[0] + list(range(20))
     e = Engine(files["tiny-qwen3"]["q4-q8out"], pool=pool, max_context=128)
     want = e.forward(toks, 0)                      # the default split: guided
-    for split in (0, 1, 8, "guided"):
+    for split in (0, 1, 8, "guided", "redo"):
         e.set_chunk(split)
         assert e.forward(toks, 0).tobytes() == want.tobytes(), split
     from lab import tune
@@ -243,6 +243,33 @@ def test_every_split_gives_the_same_logits(files, pool):
     for bad in (-8, "fast"):
         with pytest.raises(EngineError, match="split"):
             e.set_chunk(bad)
+
+
+def test_redo_split_with_late_workers_gives_the_same_logits(files):
+    """Under "redo", a worker slowed 16x still holds pieces when thread 0 has waited its few
+    pieces' time for them: thread 0 computes them again and goes on while the worker is late,
+    its commits refused. Every pass gives the one-thread logits bit for bit, and an engine
+    freed while a worker may still be late waits for it (no crash)."""
+    cpus = sorted(__import__("os").sched_getaffinity(0))
+    if len(cpus) < 2:
+        pytest.skip("a late worker needs a second CPU")
+    # passes over different tokens by turns, so a late worker's piece of one would be wrong in the next
+    runs = [prompts(TINY["tiny-qwen3"], 1, seed=s)[0] + list(range(24)) for s in (5, 6)]
+    one = Engine(files["tiny-qwen3"]["q4-q8out"], pool=Pool(1), max_context=128)
+    want = [one.forward(toks, 0).tobytes() for toks in runs]
+    slow = Pool(2, cpus=cpus[:2]).slow(cpus[1], 16.0)
+    from lab import tune
+    before = tune.current()
+    try:                                           # pieces of a tile, so the tiny matrices have several
+        tune.apply({**before, "guided_min_bytes": 1})
+        for _ in range(3):
+            e = Engine(files["tiny-qwen3"]["q4-q8out"], pool=slow, max_context=128)
+            e.set_chunk("redo")
+            for i in range(8):
+                assert e.forward(runs[i % 2], 0).tobytes() == want[i % 2], i
+            del e
+    finally:
+        tune.apply(before)
 
 
 def test_stage_profile_accounts_for_the_pass(files, pool):

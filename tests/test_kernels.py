@@ -72,7 +72,7 @@ def test_thread_split_changes_nothing(fmt, path, rows, rng):
     one = kernels.matmul(W, x, path=path)
     threads = min(2, len(__import__("os").sched_getaffinity(0)))
     pool = kernels.Pool(threads)
-    for chunk in (0, 1, 16, 1000, "guided"):
+    for chunk in (0, 1, 16, 1000, "guided", "redo"):
         got = kernels.matmul(W, x, path=path, pool=pool, chunk=chunk)
         assert np.array_equal(bits(got), bits(one)), chunk
     unpinned = kernels.Pool(threads, pin=False)
@@ -100,7 +100,7 @@ def test_a_slow_worker_changes_nothing_but_its_share(fmt, path, rng):
     for _ in range(30):
         assert np.array_equal(bits(kernels.matmul(W, x, path=path, pool=pool, chunk="guided")), bits(one))
     assert pool.shares[0] > 0.6 and sum(pool.shares) == pytest.approx(1.0)
-    for chunk in (0, 1, 16):
+    for chunk in (0, 1, 16, "redo"):
         assert np.array_equal(bits(kernels.matmul(W, x, path=path, pool=pool, chunk=chunk)), bits(one)), chunk
 
 

@@ -36,6 +36,34 @@ def test_the_co_runner_runs_only_inside_its_block():
         assert s._proc is None
 
 
+def test_the_co_runner_does_not_outlive_a_killed_parent():
+    """A process killed outright (kill -9) inside a SlowCore block leaves no spinner behind: it
+    stops within a period once its parent is gone (a leftover one had taken a CPU for half an hour)."""
+    import subprocess
+    import sys
+    outer = subprocess.Popen([sys.executable, "-c", (
+        "import subprocess, sys, time\n"
+        f"p = subprocess.Popen([sys.executable, '-c', {slowcore._SPIN!r}, '0', '0.5', '0.004'], stdout=subprocess.PIPE)\n"
+        "p.stdout.readline(); print(p.pid, flush=True); time.sleep(60)\n")], stdout=subprocess.PIPE, text=True)
+    spinner = int(outer.stdout.readline())
+    outer.kill()
+    outer.wait()
+    deadline = time.time() + 5
+    while time.time() < deadline and _running(spinner):
+        time.sleep(0.05)
+    assert not _running(spinner)
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a live process (an exited one nobody has reaped yet is not)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
+
+
+
 @pytest.mark.parametrize("cpu, duty, match", [(CPUS[-1], 1.5, "duty"), (CPUS[-1], -0.1, "duty"),
                                               (max(CPUS) + 1, 0.5, "not among")])
 def test_a_bad_duty_or_cpu_is_refused(cpu, duty, match):
