@@ -475,13 +475,17 @@ struct RedoMatmul {
 static_assert(sizeof(RedoMatmul) <= REDO_JOB_BYTES, "a SPLIT_REDO job fits the pool's copy");
 static_assert(REDO_SCRATCH_FLOATS >= 64 * TILE * MAX_K, "a piece fits a thread's scratch");
 
+// The guided split's smallest share in tiles of W (Tuning::guided_min_bytes of weights).
+static int64_t min_share_tiles(const PackedMat& W, const Tuning& tn) {
+    const int64_t tile_bytes = packed_nbytes(W.fmt, TILE, W.cols);
+    return (tn.guided_min_bytes + tile_bytes - 1) / tile_bytes;
+}
+
 // Pieces of a quarter of a thread's share, from guided_min_bytes up to 64 tiles: small enough
 // that a piece held by a worker gone missing costs little to compute again, long enough for
 // the kernel's streams.
 static void redo(const PackedMat& W, const QActs& A, float* y, int64_t ldy, TilesFn fn, ThreadPool* pool) {
-    const Tuning tn = tuning();
-    const int64_t tile_bytes = packed_nbytes(W.fmt, TILE, W.cols);
-    const int least = (int)std::min<int64_t>(64, (tn.guided_min_bytes + tile_bytes - 1) / tile_bytes);
+    const int least = (int)std::min<int64_t>(64, min_share_tiles(W, tuning()));
     const int piece = std::clamp((W.tiles + 4 * pool->size() - 1) / (4 * pool->size()), least, 64);
     const RedoMatmul job{W, &A, y, ldy, fn, piece};
     pool->parallel_redo((W.tiles + job.piece_tiles - 1) / job.piece_tiles, RedoMatmul::compute, RedoMatmul::commit,
@@ -510,9 +514,8 @@ int matmul_unwaited(const PackedMat& W, const QActs& A, float* y, int64_t ldy, i
     if (chunk == SPLIT_REDO) chunk = SPLIT_GUIDED;
     if (chunk == SPLIT_GUIDED) {    // the pool's smallest share in tiles, from bytes; small matrices weighted static
         const Tuning tn = tuning();
-        const int64_t tile_bytes = packed_nbytes(W.fmt, TILE, W.cols);
-        chunk = tile_bytes * W.tiles < tn.guided_from_bytes ? SPLIT_WEIGHTED
-                                                            : -(int)((tn.guided_min_bytes + tile_bytes - 1) / tile_bytes);
+        chunk = packed_nbytes(W.fmt, TILE, W.cols) * W.tiles < tn.guided_from_bytes ? SPLIT_WEIGHTED
+                                                                                    : -(int)min_share_tiles(W, tn);
     }
     for_range(pool, W.tiles, chunk, [&](int b, int e, int) { fn(W, A, y, ldy, b, e); });
     return MM_OK;

@@ -51,7 +51,8 @@ struct alignas(64) Slot {
     std::atomic<uint64_t> words[4 + kJobWords] = {};   // redo?, pieces, epoch, compute, commit, the job
 };
 
-// A worker's copy of a parallel_redo job.
+// A worker's copy of a job, either kind: parallel_for's (epoch, static ranges or chunks, items)
+// or parallel_redo's (also its pieces' functions and the job's bytes).
 struct RedoJob {
     bool redo = false;
     bool ranges = false;        // parallel_for: static ranges, else chunks handed out
@@ -115,11 +116,12 @@ struct ThreadPool::Impl {
         if (s.gen.load(std::memory_order_acquire) != g) return false;
         uint64_t head[4];
         for (int i = 0; i < 4; i++) head[i] = s.words[i].load(std::memory_order_relaxed);
-        j.redo = head[0] & 1;
-        j.ranges = head[0] >> 1 & 1;
-        for (int i = 0; j.redo && i < kJobWords; i++) j.job[i] = s.words[4 + i].load(std::memory_order_relaxed);
+        const bool redo = head[0] & 1;
+        for (int i = 0; redo && i < kJobWords; i++) j.job[i] = s.words[4 + i].load(std::memory_order_relaxed);
         std::atomic_thread_fence(std::memory_order_acquire);
         if (s.gen.load(std::memory_order_relaxed) != g) return false;
+        j.redo = redo;
+        j.ranges = head[0] >> 1 & 1;
         j.pieces = (int)(head[0] >> 8);
         j.epoch = head[1];
         j.compute = (PieceFn)head[2];
@@ -138,13 +140,21 @@ struct ThreadPool::Impl {
         commits[p].store(j.epoch << 1 | 1, std::memory_order_release);
     }
 
-    // Piece p into thread tid's scratch, as slowly as ThreadPool::slow says.
+    // On the emulated slow core (ThreadPool::slow), a spin (factor - 1) times as long as the
+    // work that began at t0, so each piece it takes, static, handed out or redone, takes
+    // `factor` times as long, as on a slower core, rather than the core going missing for whole
+    // scheduler slices as it does beside a co-runner.
+    void slow_down(uint64_t t0, int self) const {
+        if (self != slow_tid) return;
+        const uint64_t t1 = __rdtsc(), until = t1 + (uint64_t)((double)(t1 - t0) * slow_extra);
+        while (__rdtsc() < until) _mm_pause();
+    }
+
+    // Piece p into thread tid's scratch.
     void compute(const RedoJob& j, int p, int tid) {
         const uint64_t t0 = __rdtsc();
         j.compute(j.job, p, scratch[tid].get());
-        if (tid != slow_tid) return;
-        const uint64_t t1 = __rdtsc(), until = t1 + (uint64_t)((double)(t1 - t0) * slow_extra);
-        while (__rdtsc() < until) _mm_pause();
+        slow_down(t0, tid);
     }
 
     // Pieces handed out until none are left, or, for a worker, until the job is over; returns
@@ -193,16 +203,11 @@ struct ThreadPool::Impl {
         g_redo_inside.fetch_sub(1);
     }
 
-    // fn over [b, e) on thread tid. On the emulated slow core each piece is followed by a spin
-    // as long as (factor - 1) times the piece, so every piece it takes, static or handed out,
-    // takes `factor` times as long, as on a slower core, rather than the core going missing
-    // for whole scheduler slices as it does beside a co-runner.
+    // fn over [b, e) as thread tid's, run by thread `self`.
     void run(int b, int e, int tid, int self) {
-        if (self != slow_tid) return fn(ctx, b, e, tid);
         const uint64_t t0 = __rdtsc();
         fn(ctx, b, e, tid);
-        const uint64_t t1 = __rdtsc(), until = t1 + (uint64_t)((double)(t1 - t0) * slow_extra);
-        while (__rdtsc() < until) _mm_pause();
+        slow_down(t0, self);
     }
 
     // Thread r's static range, run by thread `self` (r's own, or thread 0 taking it over).
@@ -264,7 +269,7 @@ struct ThreadPool::Impl {
             seen = g;
             if (stop.load(std::memory_order_acquire)) return;
             RedoJob j;
-            if (!read(g, j)) continue;      // a parallel_redo job long done without this worker
+            if (!read(g, j)) continue;      // a job long done without this worker
             if (j.redo) redo_worker(j, g, tid);
             else work(j, tid);
         }
@@ -298,10 +303,13 @@ struct ThreadPool::Impl {
         }
     }
 
-    void start_job(const RedoJob& j) {
-        publish(gen.load(std::memory_order_relaxed) + 1, j);
+    // Publishes job j and wakes the workers for it; returns its generation.
+    uint32_t start_job(const RedoJob& j) {
+        const uint32_t g = gen.load(std::memory_order_relaxed) + 1;    // only thread 0 moves it
+        publish(g, j);
         gen.fetch_add(1);
         if (sleepers.load() > 0) gen.notify_all();
+        return g;
     }
 };
 
@@ -388,11 +396,8 @@ void ThreadPool::parallel_redo(int pieces, PieceFn compute, PieceFn commit, cons
         return;
     }
     PinScope scope(this);
-    const uint32_t g = p.gen.load(std::memory_order_relaxed) + 1;
-    p.publish(g, j);
-    p.cur_epoch.store(j.epoch);
-    p.gen.fetch_add(1);
-    if (p.sleepers.load() > 0) p.gen.notify_all();
+    p.cur_epoch.store(j.epoch);     // before the job is published: a worker checks it after reading the job
+    const uint32_t g = p.start_job(j);
     const uint64_t piece = p.take_pieces(j, p.slots[g % kSlots], 0);
     // a holder this much slower than thread 0's own pieces is taken to be away
     p.sweep(j, piece ? 3 * piece : 1 << 18);

@@ -63,7 +63,6 @@ def _running(pid: int) -> bool:
         return False
 
 
-
 @pytest.mark.parametrize("cpu, duty, match", [(CPUS[-1], 1.5, "duty"), (CPUS[-1], -0.1, "duty"),
                                               (max(CPUS) + 1, 0.5, "not among")])
 def test_a_bad_duty_or_cpu_is_refused(cpu, duty, match):
