@@ -483,10 +483,14 @@ static int64_t min_share_tiles(const PackedMat& W, const Tuning& tn) {
 
 // Pieces of a quarter of a thread's share, from guided_min_bytes up to 64 tiles: small enough
 // that a piece held by a worker gone missing costs little to compute again, long enough for
-// the kernel's streams.
+// the kernel's streams. A matrix the guided split would take in static ranges goes in halves
+// of a share: each piece restarts the kernel's streams and passes a line between the cores, which
+// on so short a matrix costs more than the finer balance buys.
 static void redo(const PackedMat& W, const QActs& A, float* y, int64_t ldy, TilesFn fn, ThreadPool* pool) {
-    const int least = (int)std::min<int64_t>(64, min_share_tiles(W, tuning()));
-    const int piece = std::clamp((W.tiles + 4 * pool->size() - 1) / (4 * pool->size()), least, 64);
+    const Tuning tn = tuning();
+    const int least = (int)std::min<int64_t>(64, min_share_tiles(W, tn));
+    const int per = (packed_nbytes(W.fmt, TILE, W.cols) * W.tiles < tn.guided_from_bytes ? 2 : 4) * pool->size();
+    const int piece = std::clamp((W.tiles + per - 1) / per, least, 64);
     const RedoMatmul job{W, &A, y, ldy, fn, piece};
     pool->parallel_redo((W.tiles + job.piece_tiles - 1) / job.piece_tiles, RedoMatmul::compute, RedoMatmul::commit,
                         &job, sizeof job);

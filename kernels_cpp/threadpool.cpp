@@ -9,6 +9,7 @@
 #include <pthread.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstring>
@@ -62,6 +63,14 @@ struct RedoJob {
     uint64_t job[kJobWords];
 };
 
+// What a thread is computing under parallel_redo, written only by that thread, so thread 0 can
+// tell a holder gone missing, or a slower one, from one about to finish: the piece
+// (epoch << 16 | piece) and when it began, and this job's finished pieces
+// (epoch's low 24 bits << 40 | count << 32 | their cycles).
+struct alignas(64) Holding {
+    std::atomic<uint64_t> piece{0}, since{0}, spent{0};
+};
+
 struct ThreadPool::Impl {
     int n = 1;
     bool pin = false;
@@ -97,6 +106,11 @@ struct ThreadPool::Impl {
     uint64_t epochs = 0;
     std::unique_ptr<std::atomic<uint64_t>[]> commits{new std::atomic<uint64_t>[REDO_MAX_PIECES]()};
     std::vector<std::unique_ptr<float[]>> scratch;
+    std::unique_ptr<Holding[]> holding;
+    // Each worker's piece time over thread 0's in its recent jobs (thread 0's own), 1 until measured
+    static constexpr int kRatios = 8;
+    std::vector<std::array<double, kRatios>> ratios;
+    std::vector<int> ratio_at;
 
     void publish(uint32_t g, const RedoJob& j) {
         Slot& s = slots[g % kSlots];
@@ -161,31 +175,77 @@ struct ThreadPool::Impl {
     // the cycles a piece took on average (0 for none).
     uint64_t take_pieces(const RedoJob& j, Slot& s, int tid) {
         uint64_t cycles = 0, done = 0;
+        Holding& h = holding[tid];
         for (;;) {
             if (tid && cur_epoch.load() != j.epoch) break;
             const int p = s.next.fetch_add(1, std::memory_order_relaxed);
             if (p >= j.pieces) break;
             if (taken(p, j.epoch)) continue;
             const uint64_t t0 = __rdtsc();
+            h.since.store(t0, std::memory_order_relaxed);
+            h.piece.store(j.epoch << 16 | (uint64_t)p, std::memory_order_release);
             compute(j, p, tid);
             try_commit(j, p, scratch[tid].get());
             cycles += __rdtsc() - t0;
             done++;
+            h.spent.store((j.epoch & 0xFFFFFF) << 40 | std::min<uint64_t>(done, 255) << 32 | std::min<uint64_t>(cycles, ~0u),
+                          std::memory_order_relaxed);
         }
         return done ? cycles / done : 0;
     }
 
-    // Thread 0, once the pieces are handed out: every piece written at this epoch, waiting for
-    // a holder `patience` cycles before computing its piece too.
-    void sweep(const RedoJob& j, uint64_t patience) {
+    // The median of worker t's recent piece times over thread 0's.
+    double ratio(int t) const {
+        std::array<double, kRatios> r = ratios[t];
+        std::nth_element(r.begin(), r.begin() + kRatios / 2, r.end());
+        return r[kRatios / 2];
+    }
+
+    // Each worker that finished pieces in job j: its piece time over thread 0's (`own`).
+    void learn_ratios(const RedoJob& j, uint64_t own) {
+        for (int t = 1; t < n && own; t++) {
+            const uint64_t v = holding[t].spent.load(std::memory_order_relaxed);
+            if (v >> 40 != (j.epoch & 0xFFFFFF) || !(v >> 32 & 255)) continue;
+            const double mine = (double)(v & 0xFFFFFFFF) / (double)(v >> 32 & 255) / (double)own;
+            ratios[t][ratio_at[t]++ % kRatios] = std::clamp(mine, 0.25, 4.0);
+        }
+    }
+
+    // Who holds piece p of job j, as far as thread 0 can tell: the worker and when it began,
+    // or {0, 0} for none seen (handed out but not yet begun, or being written).
+    std::pair<int, uint64_t> holder(const RedoJob& j, int p) const {
+        const uint64_t tag = j.epoch << 16 | (uint64_t)p;
+        for (int t = 1; t < n; t++) {
+            if (holding[t].piece.load(std::memory_order_acquire) != tag) continue;
+            const uint64_t since = holding[t].since.load(std::memory_order_relaxed);
+            if (holding[t].piece.load(std::memory_order_acquire) == tag) return {t, since};
+        }
+        return {0, 0};
+    }
+
+    // Whether thread 0, with pieces of `own` cycles, should compute the unwritten piece p
+    // itself at `now`: its holder is gone (3 of its pieces' time since it began, 3 of thread
+    // 0's since thread 0 began waiting where none is seen), or it is slow enough that thread 0
+    // would finish the piece well first.
+    bool redo_now(const RedoJob& j, int p, uint64_t own, uint64_t waiting, uint64_t now) const {
+        if (!own) return now - waiting >= (1 << 18);
+        const auto [t, since] = holder(j, p);
+        if (!t) return now - waiting >= 3 * own;
+        const double r = ratio(t), began = (double)since;
+        return now >= began + 3 * std::max(1.0, r) * own || began + r * own > now + 1.25 * own;
+    }
+
+    // Thread 0, once the pieces are handed out: every piece written at this epoch, computing a
+    // piece too where redo_now says so.
+    void sweep(const RedoJob& j, uint64_t own) {
         for (int p = j.pieces - 1; p >= 0; p--) {
-            uint64_t since = 0;
+            uint64_t waiting = 0;
             for (;;) {
                 const uint64_t v = commits[p].load(std::memory_order_acquire);
                 if (v == (j.epoch << 1 | 1)) break;
                 const uint64_t now = __rdtsc();
-                if (!since) since = now;
-                if (v >> 1 == j.epoch || now - since < patience) {
+                if (!waiting) waiting = now;
+                if (v >> 1 == j.epoch || !redo_now(j, p, own, waiting, now)) {
                     _mm_pause();        // being written, or its holder may yet finish
                     continue;
                 }
@@ -323,6 +383,10 @@ ThreadPool::ThreadPool(int nthreads, const std::vector<int>& cpus, bool pin) : i
     p.spent.assign(p.n, {});
     p.claims.reset(new Impl::Claim[p.n]);
     for (int t = 0; t < p.n; t++) p.scratch.emplace_back(new float[REDO_SCRATCH_FLOATS]);
+    p.holding.reset(new Holding[p.n]);
+    p.ratios.assign(p.n, {});
+    for (auto& r : p.ratios) r.fill(1.0);
+    p.ratio_at.assign(p.n, 0);
     for (int t = 1; t < p.n; t++) p.threads.emplace_back([this, t] { impl_->worker(t); });
 }
 
@@ -398,10 +462,10 @@ void ThreadPool::parallel_redo(int pieces, PieceFn compute, PieceFn commit, cons
     PinScope scope(this);
     p.cur_epoch.store(j.epoch);     // before the job is published: a worker checks it after reading the job
     const uint32_t g = p.start_job(j);
-    const uint64_t piece = p.take_pieces(j, p.slots[g % kSlots], 0);
-    // a holder this much slower than thread 0's own pieces is taken to be away
-    p.sweep(j, piece ? 3 * piece : 1 << 18);
+    const uint64_t own = p.take_pieces(j, p.slots[g % kSlots], 0);
+    p.sweep(j, own);
     p.cur_epoch.store(0);
+    p.learn_ratios(j, own);
 }
 
 void wait_redo_workers() {
