@@ -62,10 +62,12 @@ int attention_mode(int path, int mode, int head_dim);
 // ----------------------------------------------------------------------------
 
 using RowFn = void (*)(void* ctx, int begin, int end, int tid);
-// A piece of SPLIT_REDO work: into `scratch` (compute), or from it to where it belongs (commit).
-using PieceFn = void (*)(const void* job, int piece, float* scratch);
+// A piece of SPLIT_REDO work, items [begin, end): into `scratch` (compute), or from it to where
+// it belongs (commit).
+using PieceFn = void (*)(const void* job, int begin, int end, float* scratch);
 constexpr int REDO_JOB_BYTES = 96;                  // a parallel_redo job's copied bytes, at most
 constexpr int REDO_MAX_PIECES = 4096;
+constexpr int REDO_MAX_THREADS = 64;
 constexpr int REDO_SCRATCH_FLOATS = 64 * 16 * 16;    // a thread's scratch: 64 tiles of 16 tokens
 
 class ThreadPool {
@@ -84,13 +86,17 @@ public:
     // A static range whose worker has not come for it by the time thread 0 has finished its
     // own (the OS took the worker's core, or it sleeps) is run by thread 0 instead.
     void parallel_for(int n, int chunk, RowFn fn, void* ctx);
-    // SPLIT_REDO: `pieces` pieces handed out one at a time, each computed into the thread's
-    // scratch and committed by the first thread to finish it; once the pieces run out, thread 0
-    // computes any still unwritten whose holder has not finished within a few of its own pieces'
-    // time. It returns when every piece is written, even while a worker is still inside one:
+    // SPLIT_REDO: items [0, items), each thread's share of them in proportion to its speed as
+    // this pool has timed it (even while the speeds are close), walked in pieces that shrink
+    // from `most` items to `least`. Each thread takes its own pieces in order, then the others'
+    // that no thread has taken, from the back. A piece is computed into the thread's scratch and
+    // written out by the first thread to finish it; once none is left to take, thread 0 computes
+    // any still unwritten whose holder has gone missing, or is so slow that thread 0 would finish
+    // first. It returns when every piece is written, even while a worker is still inside one:
     // `job` (job_bytes <= REDO_JOB_BYTES) is copied, and whatever it points to must outlive the
-    // call until wait_redo_workers() (a late worker still reads it; it never writes).
-    void parallel_redo(int pieces, PieceFn compute, PieceFn commit, const void* job, int job_bytes);
+    // call until wait_redo_workers() (a late worker still reads it; it never writes). Pools of
+    // up to REDO_MAX_THREADS.
+    void parallel_redo(int items, int least, int most, PieceFn compute, PieceFn commit, const void* job, int job_bytes);
     // Emulates a slower core for the threads section (lab.slowcore): thread tid's pieces of
     // work each take `factor` times as long; a factor of 1 or less turns it off.
     void slow(int tid, double factor);

@@ -440,40 +440,38 @@ QMat make_qmat(int fmt, int rows, int cols, const uint16_t* d, const uint8_t* q)
     return QMat{fmt, rows, cols, d, q};
 }
 
-// SPLIT_REDO: a piece is up to 64 consecutive tiles, computed as a matrix of its own (tile
-// offsets add up, formats.h) into a thread's scratch, its rows then copied to y.
+// SPLIT_REDO: a piece is consecutive tiles, computed as a matrix of its own (tile offsets add
+// up, formats.h) into a thread's scratch, its rows then copied to y.
 struct RedoMatmul {
     PackedMat W;
     const QActs* A;
     float* y;
     int64_t ldy;
     TilesFn fn;
-    int piece_tiles;
 
-    PackedMat piece(int p) const {
-        const int t0 = p * piece_tiles;
+    PackedMat part(int t0, int t1) const {
         const TileOffsets at = tile_offsets(W.fmt, W.cols / QK, t0, 0);
         PackedMat v = W;
         v.d = W.d + at.d;
         v.q = W.q + at.q;
-        v.tiles = std::min(piece_tiles, W.tiles - t0);
+        v.tiles = t1 - t0;
         v.rows = std::min(v.tiles * TILE, W.rows - t0 * TILE);
         return v;
     }
-    static void compute(const void* job, int p, float* scratch) {
+    static void compute(const void* job, int t0, int t1, float* scratch) {
         const RedoMatmul& m = *(const RedoMatmul*)job;
-        const PackedMat v = m.piece(p);
+        const PackedMat v = m.part(t0, t1);
         m.fn(v, *m.A, scratch, v.rows, 0, v.tiles);
     }
-    static void commit(const void* job, int p, float* scratch) {
+    static void commit(const void* job, int t0, int t1, float* scratch) {
         const RedoMatmul& m = *(const RedoMatmul*)job;
-        const PackedMat v = m.piece(p);
-        float* y0 = m.y + (int64_t)p * m.piece_tiles * TILE;
+        const PackedMat v = m.part(t0, t1);
+        float* y0 = m.y + (int64_t)t0 * TILE;
         for (int t = 0; t < m.A->k(); t++) std::memcpy(y0 + t * m.ldy, scratch + (int64_t)t * v.rows, v.rows * sizeof(float));
     }
 };
 static_assert(sizeof(RedoMatmul) <= REDO_JOB_BYTES, "a SPLIT_REDO job fits the pool's copy");
-static_assert(REDO_SCRATCH_FLOATS >= 64 * TILE * MAX_K, "a piece fits a thread's scratch");
+static_assert(REDO_SCRATCH_FLOATS >= 64 * TILE * MAX_K, "64 tiles fit a thread's scratch");
 
 // The guided split's smallest share in tiles of W (Tuning::guided_min_bytes of weights).
 static int64_t min_share_tiles(const PackedMat& W, const Tuning& tn) {
@@ -481,19 +479,15 @@ static int64_t min_share_tiles(const PackedMat& W, const Tuning& tn) {
     return (tn.guided_min_bytes + tile_bytes - 1) / tile_bytes;
 }
 
-// Pieces of a quarter of a thread's share, from guided_min_bytes up to 64 tiles: small enough
-// that a piece held by a worker gone missing costs little to compute again, long enough for
-// the kernel's streams. A matrix the guided split would take in static ranges goes in halves
-// of a share: each piece restarts the kernel's streams and passes a line between the cores, which
-// on so short a matrix costs more than the finer balance buys.
+// Pieces that shrink from 64 tiles (or what fits the scratch) down to guided_min_bytes: a
+// thread's first pieces long for the kernel's streams, its last short, so that a thread out of
+// work takes small ones from the others and a piece held by a worker gone missing costs little
+// to compute again.
 static void redo(const PackedMat& W, const QActs& A, float* y, int64_t ldy, TilesFn fn, ThreadPool* pool) {
-    const Tuning tn = tuning();
-    const int least = (int)std::min<int64_t>(64, min_share_tiles(W, tn));
-    const int per = (packed_nbytes(W.fmt, TILE, W.cols) * W.tiles < tn.guided_from_bytes ? 2 : 4) * pool->size();
-    const int piece = std::clamp((W.tiles + per - 1) / per, least, 64);
-    const RedoMatmul job{W, &A, y, ldy, fn, piece};
-    pool->parallel_redo((W.tiles + job.piece_tiles - 1) / job.piece_tiles, RedoMatmul::compute, RedoMatmul::commit,
-                        &job, sizeof job);
+    const RedoMatmul job{W, &A, y, ldy, fn};
+    const int most = std::min(64, REDO_SCRATCH_FLOATS / (TILE * A.k()));
+    const int least = (int)std::min<int64_t>(most, min_share_tiles(W, tuning()));
+    pool->parallel_redo(W.tiles, least, most, RedoMatmul::compute, RedoMatmul::commit, &job, sizeof job);
 }
 
 int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path, ThreadPool* pool, int chunk) {
@@ -511,7 +505,7 @@ int matmul_unwaited(const PackedMat& W, const QActs& A, float* y, int64_t ldy, i
     if (A.k() < 1 || A.k() > MAX_K) return MM_BAD_K;
     if (!path_supported(path)) return MM_PATH_UNSUPPORTED;
     const TilesFn fn = tiles_for(path, W.fmt);
-    if (chunk == SPLIT_REDO && pool && pool->size() > 1 && W.tiles <= 64 * REDO_MAX_PIECES) {
+    if (chunk == SPLIT_REDO && pool && pool->size() > 1 && pool->size() <= REDO_MAX_THREADS) {
         redo(W, A, y, ldy, fn, pool);
         return MM_OK;
     }

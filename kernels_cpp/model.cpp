@@ -842,14 +842,15 @@ void Model::Impl::store_kv(int layer, int kvh, int p, const float* k, const floa
 // SiLU(gate) * up into hb and, with `quantize`, on into acts' 8-bit blocks for the down
 // projection: each thread quantizes what it just computed, so the down matrix's input is
 // never read across cores as floats. Pieces of 512 values (16 blocks) of one token's row;
-// the results do not depend on the split, which is static: the work is even, and a shared
-// counter costs a cross-core transfer per piece.
+// the results do not depend on the split, which is static, each thread's range sized to its
+// speed (SPLIT_WEIGHTED): a shared counter costs a cross-core transfer per piece, and equal
+// halves keep a faster core waiting for a slower one.
 int Model::Impl::ffn_hidden(int k, bool quantize, ThreadPool* pool, int path) {
     const int I = h.intermediate_size, PIECE = 16 * QK, per_row = (I + PIECE - 1) / PIECE;
     if (quantize && acts.shape(k, I) != Q_OK) return E_NONFINITE;
     const auto swiglu = path == PATH_SCALAR ? swiglu_scalar : swiglu_avx2;
     std::atomic<bool> bad{false};
-    for_range(pool, k * per_row, 0, [&](int b, int e, int) {
+    for_range(pool, k * per_row, SPLIT_WEIGHTED, [&](int b, int e, int) {
         for (int c = b; c < e; c++) {
             const int j = c / per_row, lo = (c % per_row) * PIECE, hi = std::min(I, lo + PIECE);
             float* out = &hb[(size_t)j * I];
@@ -864,8 +865,9 @@ int Model::Impl::ffn_hidden(int k, bool quantize, ThreadPool* pool, int path) {
 
 // A matmul's input, token by token: x_j += add_j (unless add is null), xn_j = RMSNorm(x_j)
 // and, with `quantize`, xn_j's blocks into acts. At k >= 2 the tokens split over the pool in
-// fixed halves, so each thread keeps its own rows of x in its cache from layer to layer and
-// thread 0 no longer norms and quantizes every token alone; one token stays on thread 0.
+// static ranges (sized to the threads' speeds, SPLIT_WEIGHTED), so each thread keeps its own
+// rows of x in its cache from layer to layer and thread 0 no longer norms and quantizes every
+// token alone; one token stays on thread 0.
 int Model::Impl::rows_in(const float* add, const float* w, bool quantize, int k, ThreadPool* pool, int path) {
     const int H = h.hidden_size;
     lap(STAGE_SERIAL);
@@ -884,7 +886,7 @@ int Model::Impl::rows_in(const float* add, const float* w, bool quantize, int k,
         }
     };
     if (k == 1) rows(0, 1, 0);
-    else for_range(pool, k, 0, [&](int b, int e, int t) { rows(b, e, t); });
+    else for_range(pool, k, SPLIT_WEIGHTED, [&](int b, int e, int t) { rows(b, e, t); });
     lap(STAGE_QUANTIZE);
     return bad ? E_NONFINITE : E_OK;
 }

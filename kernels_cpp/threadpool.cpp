@@ -25,6 +25,7 @@ std::atomic<int> g_redo_inside{0};     // workers inside a parallel_redo job, ov
 constexpr int kSlots = 8;               // jobs a late worker may fall behind before its job's slot is reused
 constexpr int kJobWords = REDO_JOB_BYTES / 8;
 static_assert(REDO_JOB_BYTES % 8 == 0, "a job is copied in whole words");
+constexpr int kHead = 5;
 
 bool pin_self(int cpu) {
     cpu_set_t set;
@@ -48,27 +49,75 @@ std::vector<int> allowed_cpus() {
 // against the generation before and after (a seqlock) instead of trusted.
 struct alignas(64) Slot {
     std::atomic<uint32_t> gen{0};           // 0 while being written
-    std::atomic<int> next{0};               // parallel_redo: pieces handed out
-    std::atomic<uint64_t> words[4 + kJobWords] = {};   // redo?, pieces, epoch, compute, commit, the job
+    // redo?, pieces, epoch, compute, commit, items and piece sizes; the job; the threads' shares
+    std::atomic<uint64_t> words[kHead + kJobWords + REDO_MAX_THREADS + 1] = {};
 };
 
 // A worker's copy of a job, either kind: parallel_for's (epoch, static ranges or chunks, items)
-// or parallel_redo's (also its pieces' functions and the job's bytes).
+// or parallel_redo's (also its pieces' functions, the job's bytes and its pieces' bounds).
 struct RedoJob {
     bool redo = false;
     bool ranges = false;        // parallel_for: static ranges, else chunks handed out
     int pieces = 0;             // parallel_redo's pieces, parallel_for's items
+    int items = 0, least = 1, most = 1;     // parallel_redo: items, and in a piece
     uint64_t epoch = 0;
     PieceFn compute = nullptr, commit = nullptr;
     uint64_t job[kJobWords];
+    int owned[REDO_MAX_THREADS + 1];        // thread t's share of the items: [owned[t], owned[t + 1])
+    int first[REDO_MAX_THREADS + 1];        // and of the pieces: [first[t], first[t + 1])
+    int bounds[REDO_MAX_PIECES + 1];        // piece p: items [bounds[p], bounds[p + 1])
+
+    std::pair<int, int> range(int p) const { return {bounds[p], bounds[p + 1]}; }
+
+    // Each of the n threads' shares in pieces that shrink as they go, from `most` items to `least`
+    // (the last takes what is left under `least`): a thread out of its own takes the others'
+    // smallest; false where there would be more pieces than REDO_MAX_PIECES.
+    bool lay_out(int n) {
+        pieces = 0;
+        for (int t = 0; t < n; t++) {
+            first[t] = pieces;
+            for (int at = owned[t]; at < owned[t + 1]; pieces++) {
+                const int left = owned[t + 1] - at;
+                int size = std::min(most, std::max(least, left / 2));
+                if (left - size < least && left <= most) size = left;
+                if (pieces == REDO_MAX_PIECES) return false;
+                bounds[pieces] = at;
+                at += size;
+            }
+        }
+        first[n] = pieces;
+        bounds[pieces] = items;
+        return true;
+    }
+};
+
+// A thread's parallel_redo pieces in one job: their items and cycles.
+struct Done {
+    uint64_t items = 0, cycles = 0;
 };
 
 // What a thread is computing under parallel_redo, written only by that thread, so thread 0 can
 // tell a holder gone missing, or a slower one, from one about to finish: the piece
-// (epoch << 16 | piece) and when it began, and this job's finished pieces
-// (epoch's low 24 bits << 40 | count << 32 | their cycles).
+// (epoch << 16 | piece) and when it began, and its finished pieces in job `spent_epoch`
+// (items << 40 | cycles).
 struct alignas(64) Holding {
-    std::atomic<uint64_t> piece{0}, since{0}, spent{0};
+    std::atomic<uint64_t> piece{0}, since{0}, spent_epoch{0}, spent{0};
+
+    void report(uint64_t epoch, const Done& d) {
+        spent_epoch.store(0, std::memory_order_relaxed);
+        std::atomic_thread_fence(std::memory_order_release);
+        spent.store(std::min<uint64_t>(d.items, (1 << 24) - 1) << 40 | std::min<uint64_t>(d.cycles, (1ull << 40) - 1),
+                    std::memory_order_relaxed);
+        spent_epoch.store(epoch, std::memory_order_release);
+    }
+    // Job `epoch`'s report, or {0, 0} where there is none (or it changed while read).
+    Done reported(uint64_t epoch) const {
+        if (spent_epoch.load(std::memory_order_acquire) != epoch) return {};
+        const uint64_t v = spent.load(std::memory_order_relaxed);
+        std::atomic_thread_fence(std::memory_order_acquire);
+        if (spent_epoch.load(std::memory_order_relaxed) != epoch) return {};
+        return {v >> 40, v & ((1ull << 40) - 1)};
+    }
 };
 
 struct ThreadPool::Impl {
@@ -105,9 +154,10 @@ struct ThreadPool::Impl {
     std::atomic<uint64_t> cur_epoch{0};
     uint64_t epochs = 0;
     std::unique_ptr<std::atomic<uint64_t>[]> commits{new std::atomic<uint64_t>[REDO_MAX_PIECES]()};
+    std::unique_ptr<std::atomic<uint64_t>[]> takes{new std::atomic<uint64_t>[REDO_MAX_PIECES]()};   // the epoch it was last taken in
     std::vector<std::unique_ptr<float[]>> scratch;
     std::unique_ptr<Holding[]> holding;
-    // Each worker's piece time over thread 0's in its recent jobs (thread 0's own), 1 until measured
+    // Each worker's time an item over thread 0's in its recent jobs (thread 0's own), 1 until measured
     static constexpr int kRatios = 8;
     std::vector<std::array<double, kRatios>> ratios;
     std::vector<int> ratio_at;
@@ -116,11 +166,12 @@ struct ThreadPool::Impl {
         Slot& s = slots[g % kSlots];
         s.gen.store(0, std::memory_order_relaxed);
         std::atomic_thread_fence(std::memory_order_release);
-        const uint64_t head[4] = {(uint64_t)j.redo | (uint64_t)j.ranges << 1 | (uint64_t)j.pieces << 8, j.epoch, (uint64_t)j.compute,
-                                  (uint64_t)j.commit};
-        for (int i = 0; i < 4; i++) s.words[i].store(head[i], std::memory_order_relaxed);
-        for (int i = 0; j.redo && i < kJobWords; i++) s.words[4 + i].store(j.job[i], std::memory_order_relaxed);
-        s.next.store(0, std::memory_order_relaxed);
+        const uint64_t head[kHead] = {(uint64_t)j.redo | (uint64_t)j.ranges << 1 | (uint64_t)j.pieces << 8, j.epoch,
+                                      (uint64_t)j.compute, (uint64_t)j.commit,
+                                      (uint64_t)j.items | (uint64_t)j.least << 32 | (uint64_t)j.most << 48};
+        for (int i = 0; i < kHead; i++) s.words[i].store(head[i], std::memory_order_relaxed);
+        for (int i = 0; j.redo && i < kJobWords; i++) s.words[kHead + i].store(j.job[i], std::memory_order_relaxed);
+        for (int i = 0; j.redo && i <= n; i++) s.words[kHead + kJobWords + i].store((uint64_t)j.owned[i], std::memory_order_relaxed);
         s.gen.store(g, std::memory_order_release);
     }
 
@@ -128,10 +179,11 @@ struct ThreadPool::Impl {
     bool read(uint32_t g, RedoJob& j) {
         const Slot& s = slots[g % kSlots];
         if (s.gen.load(std::memory_order_acquire) != g) return false;
-        uint64_t head[4];
-        for (int i = 0; i < 4; i++) head[i] = s.words[i].load(std::memory_order_relaxed);
+        uint64_t head[kHead];
+        for (int i = 0; i < kHead; i++) head[i] = s.words[i].load(std::memory_order_relaxed);
         const bool redo = head[0] & 1;
-        for (int i = 0; redo && i < kJobWords; i++) j.job[i] = s.words[4 + i].load(std::memory_order_relaxed);
+        for (int i = 0; redo && i < kJobWords; i++) j.job[i] = s.words[kHead + i].load(std::memory_order_relaxed);
+        for (int i = 0; redo && i <= n; i++) j.owned[i] = (int)s.words[kHead + kJobWords + i].load(std::memory_order_relaxed);
         std::atomic_thread_fence(std::memory_order_acquire);
         if (s.gen.load(std::memory_order_relaxed) != g) return false;
         j.redo = redo;
@@ -140,17 +192,19 @@ struct ThreadPool::Impl {
         j.epoch = head[1];
         j.compute = (PieceFn)head[2];
         j.commit = (PieceFn)head[3];
-        return true;
+        j.items = (int)(uint32_t)head[4];
+        j.least = (int)(head[4] >> 32 & 0xFFFF);
+        j.most = (int)(head[4] >> 48);
+        return !redo || j.lay_out(n);
     }
-
-    bool taken(int p, uint64_t epoch) const { return commits[p].load(std::memory_order_acquire) >> 1 >= epoch; }
 
     // Writes piece p from this thread's scratch if no thread has begun to.
     void try_commit(const RedoJob& j, int p, float* scr) {
         uint64_t v = commits[p].load(std::memory_order_acquire);
         if (v >> 1 >= j.epoch || !commits[p].compare_exchange_strong(v, j.epoch << 1, std::memory_order_acq_rel))
             return;
-        j.commit(j.job, p, scr);
+        const auto [b, e] = j.range(p);
+        j.commit(j.job, b, e, scr);
         commits[p].store(j.epoch << 1 | 1, std::memory_order_release);
     }
 
@@ -167,48 +221,74 @@ struct ThreadPool::Impl {
     // Piece p into thread tid's scratch.
     void compute(const RedoJob& j, int p, int tid) {
         const uint64_t t0 = __rdtsc();
-        j.compute(j.job, p, scratch[tid].get());
+        const auto [b, e] = j.range(p);
+        j.compute(j.job, b, e, scratch[tid].get());
         slow_down(t0, tid);
     }
 
-    // Pieces handed out until none are left, or, for a worker, until the job is over; returns
-    // the cycles a piece took on average (0 for none).
-    uint64_t take_pieces(const RedoJob& j, Slot& s, int tid) {
-        uint64_t cycles = 0, done = 0;
-        Holding& h = holding[tid];
-        for (;;) {
-            if (tid && cur_epoch.load() != j.epoch) break;
-            const int p = s.next.fetch_add(1, std::memory_order_relaxed);
-            if (p >= j.pieces) break;
-            if (taken(p, j.epoch)) continue;
-            const uint64_t t0 = __rdtsc();
-            h.since.store(t0, std::memory_order_relaxed);
-            h.piece.store(j.epoch << 16 | (uint64_t)p, std::memory_order_release);
-            compute(j, p, tid);
-            try_commit(j, p, scratch[tid].get());
-            cycles += __rdtsc() - t0;
-            done++;
-            h.spent.store((j.epoch & 0xFFFFFF) << 40 | std::min<uint64_t>(done, 255) << 32 | std::min<uint64_t>(cycles, ~0u),
-                          std::memory_order_relaxed);
-        }
-        return done ? cycles / done : 0;
+    bool claim_piece(int p, uint64_t epoch) {
+        uint64_t v = takes[p].load(std::memory_order_relaxed);
+        return v < epoch && takes[p].compare_exchange_strong(v, epoch, std::memory_order_acq_rel);
     }
 
-    // The median of worker t's recent piece times over thread 0's.
+    // Piece p by thread tid, written out unless another thread has begun to write it.
+    void do_piece(const RedoJob& j, int p, int tid, Done& done) {
+        const uint64_t t0 = __rdtsc();
+        Holding& h = holding[tid];
+        h.since.store(t0, std::memory_order_relaxed);
+        h.piece.store(j.epoch << 16 | (uint64_t)p, std::memory_order_release);
+        compute(j, p, tid);
+        try_commit(j, p, scratch[tid].get());
+        const auto [b, e] = j.range(p);
+        done.items += e - b;
+        done.cycles += __rdtsc() - t0;
+        h.report(j.epoch, done);
+    }
+
+    // Thread tid's own pieces (its share of them, in order), then, from the back, those of the
+    // threads after it that none has taken yet; a worker stops once the job is over.
+    Done take_pieces(const RedoJob& j, int tid) {
+        Done done;
+        for (int v = 0; v < n; v++) {
+            const int t = (tid + v) % n, lo = j.first[t], hi = j.first[t + 1];
+            for (int i = 0; i < hi - lo; i++) {
+                if (tid && cur_epoch.load() != j.epoch) return done;
+                const int p = v == 0 ? lo + i : hi - 1 - i;
+                if (claim_piece(p, j.epoch)) do_piece(j, p, tid, done);
+            }
+        }
+        return done;
+    }
+
+    // The median of worker t's recent times an item over thread 0's.
     double ratio(int t) const {
         std::array<double, kRatios> r = ratios[t];
         std::nth_element(r.begin(), r.begin() + kRatios / 2, r.end());
         return r[kRatios / 2];
     }
 
-    // Each worker that finished pieces in job j: its piece time over thread 0's (`own`).
-    void learn_ratios(const RedoJob& j, uint64_t own) {
-        for (int t = 1; t < n && own; t++) {
-            const uint64_t v = holding[t].spent.load(std::memory_order_relaxed);
-            if (v >> 40 != (j.epoch & 0xFFFFFF) || !(v >> 32 & 255)) continue;
-            const double mine = (double)(v & 0xFFFFFFFF) / (double)(v >> 32 & 255) / (double)own;
-            ratios[t][ratio_at[t]++ % kRatios] = std::clamp(mine, 0.25, 4.0);
+    // Each worker that finished pieces in job j: its time an item over thread 0's (`per_item`).
+    void learn_ratios(const RedoJob& j, double per_item) {
+        for (int t = 1; t < n && per_item > 0; t++) {
+            const Done d = holding[t].reported(j.epoch);
+            if (!d.items) continue;
+            ratios[t][ratio_at[t]++ % kRatios] = std::clamp((double)d.cycles / (double)d.items / per_item, 0.25, 4.0);
         }
+    }
+
+    // Each thread's share of job j's items, in proportion to its speed (1 / its ratio), or even
+    // while the speeds lie within WEIGHT_BAND of each other.
+    void share_out(RedoJob& j) const {
+        double speed[REDO_MAX_THREADS], total = 0;
+        for (int t = 0; t < n; t++) total += speed[t] = t ? 1 / ratio(t) : 1.0;
+        const auto [lo, hi] = std::minmax_element(speed, speed + n);
+        const bool even = *hi < WEIGHT_BAND * *lo;
+        double before = 0;
+        for (int t = 0; t < n; t++) {
+            j.owned[t] = even ? (int)((int64_t)j.items * t / n) : (int)std::lround(j.items * before / total);
+            before += speed[t];
+        }
+        j.owned[n] = j.items;
     }
 
     // Who holds piece p of job j, as far as thread 0 can tell: the worker and when it began,
@@ -223,12 +303,14 @@ struct ThreadPool::Impl {
         return {0, 0};
     }
 
-    // Whether thread 0, with pieces of `own` cycles, should compute the unwritten piece p
-    // itself at `now`: its holder is gone (3 of its pieces' time since it began, 3 of thread
-    // 0's since thread 0 began waiting where none is seen), or it is slow enough that thread 0
-    // would finish the piece well first.
-    bool redo_now(const RedoJob& j, int p, uint64_t own, uint64_t waiting, uint64_t now) const {
-        if (!own) return now - waiting >= (1 << 18);
+    // Whether thread 0, at `per_item` cycles an item, should compute the unwritten piece p
+    // itself at `now`: its holder is gone (3 of its time for the piece since it began, 3 of
+    // thread 0's since thread 0 began waiting where none is seen), or it is slow enough that
+    // thread 0 would finish the piece well first.
+    bool redo_now(const RedoJob& j, int p, double per_item, uint64_t waiting, uint64_t now) const {
+        if (per_item <= 0) return now - waiting >= (1 << 18);
+        const auto [b, e] = j.range(p);
+        const double own = per_item * (e - b);
         const auto [t, since] = holder(j, p);
         if (!t) return now - waiting >= 3 * own;
         const double r = ratio(t), began = (double)since;
@@ -237,7 +319,7 @@ struct ThreadPool::Impl {
 
     // Thread 0, once the pieces are handed out: every piece written at this epoch, computing a
     // piece too where redo_now says so.
-    void sweep(const RedoJob& j, uint64_t own) {
+    void sweep(const RedoJob& j, double per_item) {
         for (int p = j.pieces - 1; p >= 0; p--) {
             uint64_t waiting = 0;
             for (;;) {
@@ -245,7 +327,7 @@ struct ThreadPool::Impl {
                 if (v == (j.epoch << 1 | 1)) break;
                 const uint64_t now = __rdtsc();
                 if (!waiting) waiting = now;
-                if (v >> 1 == j.epoch || !redo_now(j, p, own, waiting, now)) {
+                if (v >> 1 == j.epoch || !redo_now(j, p, per_item, waiting, now)) {
                     _mm_pause();        // being written, or its holder may yet finish
                     continue;
                 }
@@ -257,9 +339,9 @@ struct ThreadPool::Impl {
 
     // Counted in g_redo_inside before anything the job points to is read, and only while the
     // job is under way, so that once wait_redo_workers() has seen none, none will read it.
-    void redo_worker(const RedoJob& j, uint32_t g, int tid) {
+    void redo_worker(const RedoJob& j, int tid) {
         g_redo_inside.fetch_add(1);
-        if (cur_epoch.load() == j.epoch) take_pieces(j, slots[g % kSlots], tid);
+        if (cur_epoch.load() == j.epoch) take_pieces(j, tid);
         g_redo_inside.fetch_sub(1);
     }
 
@@ -330,7 +412,7 @@ struct ThreadPool::Impl {
             if (stop.load(std::memory_order_acquire)) return;
             RedoJob j;
             if (!read(g, j)) continue;      // a job long done without this worker
-            if (j.redo) redo_worker(j, g, tid);
+            if (j.redo) redo_worker(j, tid);
             else work(j, tid);
         }
     }
@@ -444,28 +526,39 @@ void ThreadPool::parallel_for(int n, int chunk, RowFn fn, void* ctx) {
     if (chunk == SPLIT_WEIGHTED && !taken_over) p.learn();
 }
 
-void ThreadPool::parallel_redo(int pieces, PieceFn compute, PieceFn commit, const void* job, int job_bytes) {
+void ThreadPool::parallel_redo(int items, int least, int most, PieceFn compute, PieceFn commit, const void* job,
+                               int job_bytes) {
     Impl& p = *impl_;
-    if (pieces <= 0) return;
+    if (items <= 0) return;
     RedoJob j;
     j.redo = true;
-    j.pieces = pieces;
+    j.items = items;
     j.epoch = ++p.epochs;
     j.compute = compute;
     j.commit = commit;
     std::memset(j.job, 0, sizeof j.job);
     std::memcpy(j.job, job, std::min(job_bytes, REDO_JOB_BYTES));
-    if (p.n == 1 || pieces > REDO_MAX_PIECES) {      // more pieces than commits: thread 0 alone
-        for (int i = 0; i < pieces; i++) p.compute(j, i, 0), commit(j.job, i, p.scratch[0].get());
+    j.most = std::clamp(most, 1, 0xFFFF);
+    j.least = std::clamp(least, 1, j.most);
+    p.share_out(j);
+    if (p.n == 1 || !j.lay_out(p.n)) {      // more pieces than commits: thread 0 alone, in pieces of `most`
+        for (int b = 0; b < items; b += j.most) {
+            const int e = std::min(items, b + j.most);
+            const uint64_t t0 = __rdtsc();
+            compute(j.job, b, e, p.scratch[0].get());
+            p.slow_down(t0, 0);
+            commit(j.job, b, e, p.scratch[0].get());
+        }
         return;
     }
     PinScope scope(this);
     p.cur_epoch.store(j.epoch);     // before the job is published: a worker checks it after reading the job
-    const uint32_t g = p.start_job(j);
-    const uint64_t own = p.take_pieces(j, p.slots[g % kSlots], 0);
-    p.sweep(j, own);
+    p.start_job(j);
+    const Done own = p.take_pieces(j, 0);
+    const double per_item = own.items ? (double)own.cycles / (double)own.items : 0;
+    p.sweep(j, per_item);
     p.cur_epoch.store(0);
-    p.learn_ratios(j, own);
+    p.learn_ratios(j, per_item);
 }
 
 void wait_redo_workers() {
