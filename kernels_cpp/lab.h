@@ -62,9 +62,9 @@ int attention_mode(int path, int mode, int head_dim);
 // ----------------------------------------------------------------------------
 
 using RowFn = void (*)(void* ctx, int begin, int end, int tid);
-// A piece of SPLIT_REDO work, items [begin, end): into `scratch` (compute), or from it to where
-// it belongs (commit).
-using PieceFn = void (*)(const void* job, int begin, int end, float* scratch);
+// A piece of SPLIT_REDO work, items [begin, end), by pool thread tid: into `scratch` (compute),
+// or from it to where it belongs (commit).
+using PieceFn = void (*)(const void* job, int begin, int end, float* scratch, int tid);
 constexpr int REDO_JOB_BYTES = 96;                  // a parallel_redo job's copied bytes, at most
 constexpr int REDO_MAX_PIECES = 4096;
 constexpr int REDO_MAX_THREADS = 64;
@@ -128,6 +128,8 @@ constexpr int SPLIT_WEIGHTED = -(1 << 30);
 // the OS has taken away for a scheduler slice, as beside another busy process. The engine's
 // matmuls only (Model waits for late workers before freeing what they read).
 constexpr int SPLIT_REDO = -(1 << 29);
+// The engine's default: SPLIT_REDO or SPLIT_GUIDED as Tuning::redo_split says.
+constexpr int SPLIT_AUTO = -(1 << 28);
 constexpr double WEIGHT_BAND = 1.10;
 // A windowed attention's recent positions start on a multiple of this, whole tiles of its
 // scores and values, so a task's tiles never span the positions it skips.
@@ -174,7 +176,10 @@ struct Tuning {
     // reading the tiles' weights again from cache: in one group, one accumulator a token and
     // stream beside a block's 8 weight registers crowds the 32 registers (docs/tuning.md).
     int two_groups_k = 9;
-    int64_t guided_min_bytes = 96 << 10;    // the smallest guided share
+    // Whether SPLIT_AUTO (the engine's matmuls) runs SPLIT_REDO or SPLIT_GUIDED: on quiet cores
+    // they ran alike, and beside another busy process redo lost a third less (docs/tuning.md).
+    bool redo_split = true;
+    int64_t guided_min_bytes = 96 << 10;    // the smallest guided share, and redo's smallest piece
     int64_t guided_from_bytes = 4 << 20;    // smaller matrices go in static ranges (SPLIT_WEIGHTED)
     // From this many tokens (0: never) a KV head's attention goes to two tasks of half the
     // tokens each, not one: more tasks than threads, which the pool then evens out.

@@ -458,12 +458,12 @@ struct RedoMatmul {
         v.rows = std::min(v.tiles * TILE, W.rows - t0 * TILE);
         return v;
     }
-    static void compute(const void* job, int t0, int t1, float* scratch) {
+    static void compute(const void* job, int t0, int t1, float* scratch, int) {
         const RedoMatmul& m = *(const RedoMatmul*)job;
         const PackedMat v = m.part(t0, t1);
         m.fn(v, *m.A, scratch, v.rows, 0, v.tiles);
     }
-    static void commit(const void* job, int t0, int t1, float* scratch) {
+    static void commit(const void* job, int t0, int t1, float* scratch, int) {
         const RedoMatmul& m = *(const RedoMatmul*)job;
         const PackedMat v = m.part(t0, t1);
         float* y0 = m.y + (int64_t)t0 * TILE;
@@ -492,7 +492,7 @@ static void redo(const PackedMat& W, const QActs& A, float* y, int64_t ldy, Tile
 
 int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path, ThreadPool* pool, int chunk) {
     const int rc = matmul_unwaited(W, A, y, ldy, path, pool, chunk);
-    if (chunk == SPLIT_REDO) wait_redo_workers();   // the caller may free W and A once this returns
+    if (chunk == SPLIT_REDO || chunk == SPLIT_AUTO) wait_redo_workers();   // the caller may free W and A once this returns
     return rc;
 }
 
@@ -505,6 +505,7 @@ int matmul_unwaited(const PackedMat& W, const QActs& A, float* y, int64_t ldy, i
     if (A.k() < 1 || A.k() > MAX_K) return MM_BAD_K;
     if (!path_supported(path)) return MM_PATH_UNSUPPORTED;
     const TilesFn fn = tiles_for(path, W.fmt);
+    if (chunk == SPLIT_AUTO) chunk = tuning().redo_split ? SPLIT_REDO : SPLIT_GUIDED;
     if (chunk == SPLIT_REDO && pool && pool->size() > 1 && pool->size() <= REDO_MAX_THREADS) {
         redo(W, A, y, ldy, fn, pool);
         return MM_OK;

@@ -433,7 +433,7 @@ struct Model::Impl {
     std::vector<float> scratch;        // per thread: att_scratch_floats, a task's scores and work buffer
     QActs acts;
     bool loaded = false;
-    int split_tiles = SPLIT_GUIDED;
+    int split_tiles = SPLIT_AUTO;
     int att_sink = 0, att_window = 0;  // set_window
     int att_mode = ATT_DEFAULT;        // set_attention
     bool profiling = false;
@@ -458,6 +458,8 @@ struct Model::Impl {
     bool bind_trim();
     void allocate();
     int ffn_hidden(int k, bool quantize, ThreadPool* pool, int path);
+    bool redo_on(ThreadPool* pool) const;
+    struct RedoAttention;
     int rows_in(const float* add, const float* w, bool quantize, int k, ThreadPool* pool, int path);
     int attention(int layer, int k, int pos, bool quantize_out, ThreadPool* pool, int path);
     void prep_head(int layer, int kvh, int j, int pos, int path);
@@ -763,18 +765,65 @@ void attention_tasks(ThreadPool* pool, int KV, int k, int per, float* scratch, s
     });
 }
 
+// A layer's attention tasks as SPLIT_REDO pieces (their rows prepared): task t's outputs into
+// the computing thread's scratch, its scores in that thread's attention scratch, then into att
+// and, with quantize, acts.
+struct Model::Impl::RedoAttention {
+    Impl* m;
+    AttendFn attend;
+    std::atomic<bool>* bad;
+    int layer, k, pos, per, path;
+    float scale;
+    bool quantize;
+
+    int chunks() const { return (k + per - 1) / per; }
+    static void compute(const void* job, int b, int e, float* out, int tid) {
+        const RedoAttention& r = *(const RedoAttention*)job;
+        Impl& m = *r.m;         // its attention scratch: this thread's rows only
+        const int D = m.h.head_dim, KV = m.h.num_kv_heads, group = m.h.num_heads / KV, chunks = r.chunks();
+        float* scores = m.scratch.data() + (size_t)tid * att_scratch_floats(m.att_rows, m.max_ctx, D);
+        for (int t = b; t < e; t++) {
+            const int kvh = t / chunks, j0 = t % chunks * r.per, n = std::min(r.per, r.k - j0);
+            const size_t base = (((size_t)r.layer * KV + kvh) * m.cache_ctx) * D;
+            const Queries a{m.qkv.data() + (size_t)j0 * m.qkv_rows + (size_t)kvh * group * D, (size_t)m.qkv_rows,
+                            out + (size_t)(t - b) * r.per * group * D, (size_t)group * D,
+                            group, n, r.pos + j0 + 1, D, m.att_sink, m.att_window};
+            r.attend(a, m.kcache() + base, m.vcache() + base, r.scale, scores, att_buffer(scores, m.att_rows, m.max_ctx));
+        }
+    }
+    static void commit(const void* job, int b, int e, float* out, int) {
+        const RedoAttention& r = *(const RedoAttention*)job;
+        Impl& m = *r.m;
+        const int D = m.h.head_dim, KV = m.h.num_kv_heads, group = m.h.num_heads / KV, chunks = r.chunks();
+        const int64_t nb = m.q_dim / QK, task_blocks = group * D / QK;
+        for (int t = b; t < e; t++) {
+            const int kvh = t / chunks, j0 = t % chunks * r.per, n = std::min(r.per, r.k - j0);
+            for (int j = j0; j < j0 + n; j++) {
+                std::memcpy(m.att.data() + (size_t)j * m.q_dim + (size_t)kvh * group * D,
+                            out + ((size_t)(t - b) * r.per + (j - j0)) * group * D, (size_t)group * D * sizeof(float));
+                int64_t at = 0;
+                const int64_t b0 = j * nb + kvh * task_blocks;
+                if (r.quantize && m.acts.quantize_blocks(m.att.data(), b0, b0 + task_blocks, r.path, &at) != Q_OK) *r.bad = true;
+            }
+        }
+    }
+};
+static_assert(sizeof(Model::Impl::RedoAttention) <= REDO_JOB_BYTES, "an attention job fits the pool's copy");
+
 // A layer's attention, with the work around it on the threads that need it. Where each task
 // holds every token of its KV head, it prepares those tokens' rows itself (prep_head): the
 // thread that reads a head's new K and V rows is the one that wrote them, and thread 0 no
-// longer prepares every head alone. Otherwise thread 0 prepares them first. With
-// quantize_out, each task quantizes its own outputs into acts for the o projection.
+// longer prepares every head alone. Otherwise, and under redo (a task computed twice must not
+// prepare its rows twice, and a late one must write nothing), thread 0 prepares them first.
+// With quantize_out, each task quantizes its own outputs into acts for the o projection.
 int Model::Impl::attention(int layer, int k, int pos, bool quantize_out, ThreadPool* pool, int path) {
     const int D = h.head_dim, KV = h.num_kv_heads, group = h.num_heads / KV;
     const float scale = (float)std::pow((double)D, -0.5);
     const size_t per_thread = att_scratch_floats(att_rows, max_ctx, D);
     const AttendFn attend = attend_for(path, D, att_mode);
     const int per = attention_per(k, group, KV, pool ? pool->size() : 1, att_rows);
-    const bool whole = per == k;
+    const bool redo = redo_on(pool) && (size_t)per * group * D <= REDO_SCRATCH_FLOATS;
+    const bool whole = per == k && !redo;
     if (!whole)
         for (int j = 0; j < k; j++)
             for (int kvh = 0; kvh < KV; kvh++) prep_head(layer, kvh, j, pos, path);
@@ -782,6 +831,11 @@ int Model::Impl::attention(int layer, int k, int pos, bool quantize_out, ThreadP
     if (quantize_out && acts.shape(k, q_dim) != Q_OK) return E_NONFINITE;
     const int64_t nb = q_dim / QK, task_blocks = group * D / QK;
     std::atomic<bool> bad{false};
+    if (redo) {
+        const RedoAttention job{this, attend, &bad, layer, k, pos, per, path, scale, quantize_out};
+        pool->parallel_redo(KV * job.chunks(), 1, 1, RedoAttention::compute, RedoAttention::commit, &job, sizeof job);
+        return bad ? E_NONFINITE : E_OK;
+    }
     attention_tasks(pool, KV, k, per, scratch.data(), per_thread, [&](int kvh, int j0, int n, float* scores) {
         if (whole)
             for (int j = 0; j < k; j++) prep_head(layer, kvh, j, pos, path);
@@ -839,27 +893,70 @@ void Model::Impl::store_kv(int layer, int kvh, int p, const float* k, const floa
     f32_to_f16_row(v, D, V + (size_t)p * D, path);
 }
 
+// ffn_hidden's pieces [b, e), each 512 values (16 blocks) of one token's row: SiLU(gate) * up
+// into `out` (hb, or a SPLIT_REDO thread's scratch, piece by piece), and from there into hb and,
+// with acts, acts' blocks (publish; a redo job's commit).
+struct Swiglu {
+    static constexpr int PIECE = 16 * QK;
+    const float* gu;
+    float* hb;
+    QActs* acts;                // null: no quantizing
+    std::atomic<bool>* bad;
+    int I, per_row, path;
+
+    std::pair<int, int> span(int c) const {
+        const int lo = c % per_row * PIECE;
+        return {lo, std::min(I, lo + PIECE)};
+    }
+    void compute(int b, int e, float* out, bool in_place) const {
+        const auto fn = path == PATH_SCALAR ? swiglu_scalar : swiglu_avx2;
+        for (int c = b; c < e; c++) {
+            const auto [lo, hi] = span(c);
+            const float* g = gu + (size_t)(c / per_row) * 2 * I;
+            fn(g + lo, g + I + lo, in_place ? out + (size_t)(c / per_row) * I + lo : out + (size_t)(c - b) * PIECE, hi - lo);
+        }
+    }
+    void publish(int b, int e, const float* scratch) const {
+        for (int c = b; c < e; c++) {
+            const auto [lo, hi] = span(c);
+            const int64_t j = c / per_row;
+            if (scratch) std::memcpy(hb + j * I + lo, scratch + (size_t)(c - b) * PIECE, (hi - lo) * sizeof(float));
+            int64_t at = 0;
+            if (acts && acts->quantize_blocks(hb, (j * I + lo) / QK, (j * I + hi) / QK, path, &at) != Q_OK) *bad = true;
+        }
+    }
+    static void redo_compute(const void* job, int b, int e, float* scratch, int) { ((const Swiglu*)job)->compute(b, e, scratch, false); }
+    static void redo_commit(const void* job, int b, int e, float* scratch, int) { ((const Swiglu*)job)->publish(b, e, scratch); }
+};
+static_assert(sizeof(Swiglu) <= REDO_JOB_BYTES, "a SwiGLU job fits the pool's copy");
+
+// Whether the engine's matmuls run SPLIT_REDO on this pool: then the work between them that
+// can goes in redo pieces too (a worker the OS takes away inside it no longer holds thread 0).
+bool Model::Impl::redo_on(ThreadPool* pool) const {
+    const bool redo = split_tiles == SPLIT_REDO || (split_tiles == SPLIT_AUTO && tuning().redo_split);
+    return redo && pool && pool->size() > 1 && pool->size() <= REDO_MAX_THREADS;
+}
+
 // SiLU(gate) * up into hb and, with `quantize`, on into acts' 8-bit blocks for the down
 // projection: each thread quantizes what it just computed, so the down matrix's input is
-// never read across cores as floats. Pieces of 512 values (16 blocks) of one token's row;
-// the results do not depend on the split, which is static, each thread's range sized to its
-// speed (SPLIT_WEIGHTED): a shared counter costs a cross-core transfer per piece, and equal
-// halves keep a faster core waiting for a slower one.
+// never read across cores as floats. The results do not depend on the split: static ranges,
+// each thread's sized to its speed (SPLIT_WEIGHTED; a shared counter costs a cross-core
+// transfer per piece, and equal halves keep a faster core waiting for a slower one), or redo's.
 int Model::Impl::ffn_hidden(int k, bool quantize, ThreadPool* pool, int path) {
-    const int I = h.intermediate_size, PIECE = 16 * QK, per_row = (I + PIECE - 1) / PIECE;
+    const int I = h.intermediate_size, per_row = (I + Swiglu::PIECE - 1) / Swiglu::PIECE;
     if (quantize && acts.shape(k, I) != Q_OK) return E_NONFINITE;
-    const auto swiglu = path == PATH_SCALAR ? swiglu_scalar : swiglu_avx2;
     std::atomic<bool> bad{false};
-    for_range(pool, k * per_row, SPLIT_WEIGHTED, [&](int b, int e, int) {
-        for (int c = b; c < e; c++) {
-            const int j = c / per_row, lo = (c % per_row) * PIECE, hi = std::min(I, lo + PIECE);
-            float* out = &hb[(size_t)j * I];
-            swiglu(&gu[(size_t)j * 2 * I + lo], &gu[(size_t)j * 2 * I + I + lo], out + lo, hi - lo);
-            int64_t at = 0;
-            const int64_t b0 = ((int64_t)j * I + lo) / QK, b1 = ((int64_t)j * I + hi) / QK;
-            if (quantize && acts.quantize_blocks(hb.data(), b0, b1, path, &at) != Q_OK) bad = true;
-        }
-    });
+    const Swiglu job{gu.data(), hb.data(), quantize ? &acts : nullptr, &bad, I, per_row, path};
+    if (redo_on(pool))
+        pool->parallel_redo(k * per_row, 1, REDO_SCRATCH_FLOATS / Swiglu::PIECE, Swiglu::redo_compute, Swiglu::redo_commit,
+                            &job, sizeof job);
+    else
+        for_range(pool, k * per_row, SPLIT_WEIGHTED, [&](int b, int e, int) {
+            for (int c = b; c < e; c++) {      // each piece quantized while it is in L1
+                job.compute(c, c + 1, hb.data(), true);
+                job.publish(c, c + 1, nullptr);
+            }
+        });
     return bad ? E_NONFINITE : E_OK;
 }
 

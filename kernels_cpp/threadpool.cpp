@@ -199,12 +199,13 @@ struct ThreadPool::Impl {
     }
 
     // Writes piece p from this thread's scratch if no thread has begun to.
-    void try_commit(const RedoJob& j, int p, float* scr) {
+    void try_commit(const RedoJob& j, int p, int tid) {
+        float* scr = scratch[tid].get();
         uint64_t v = commits[p].load(std::memory_order_acquire);
         if (v >> 1 >= j.epoch || !commits[p].compare_exchange_strong(v, j.epoch << 1, std::memory_order_acq_rel))
             return;
         const auto [b, e] = j.range(p);
-        j.commit(j.job, b, e, scr);
+        j.commit(j.job, b, e, scr, tid);
         commits[p].store(j.epoch << 1 | 1, std::memory_order_release);
     }
 
@@ -222,7 +223,7 @@ struct ThreadPool::Impl {
     void compute(const RedoJob& j, int p, int tid) {
         const uint64_t t0 = __rdtsc();
         const auto [b, e] = j.range(p);
-        j.compute(j.job, b, e, scratch[tid].get());
+        j.compute(j.job, b, e, scratch[tid].get(), tid);
         slow_down(t0, tid);
     }
 
@@ -238,7 +239,7 @@ struct ThreadPool::Impl {
         h.since.store(t0, std::memory_order_relaxed);
         h.piece.store(j.epoch << 16 | (uint64_t)p, std::memory_order_release);
         compute(j, p, tid);
-        try_commit(j, p, scratch[tid].get());
+        try_commit(j, p, tid);
         const auto [b, e] = j.range(p);
         done.items += e - b;
         done.cycles += __rdtsc() - t0;
@@ -332,7 +333,7 @@ struct ThreadPool::Impl {
                     continue;
                 }
                 compute(j, p, 0);
-                try_commit(j, p, scratch[0].get());
+                try_commit(j, p, 0);
             }
         }
     }
@@ -545,9 +546,9 @@ void ThreadPool::parallel_redo(int items, int least, int most, PieceFn compute, 
         for (int b = 0; b < items; b += j.most) {
             const int e = std::min(items, b + j.most);
             const uint64_t t0 = __rdtsc();
-            compute(j.job, b, e, p.scratch[0].get());
+            compute(j.job, b, e, p.scratch[0].get(), 0);
             p.slow_down(t0, 0);
-            commit(j.job, b, e, p.scratch[0].get());
+            commit(j.job, b, e, p.scratch[0].get(), 0);
         }
         return;
     }

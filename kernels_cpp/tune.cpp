@@ -54,7 +54,7 @@ int bench_matmul(const PackedMat& W, int walk_tiles, int slice_tiles, const QAct
             const TileOffsets at = tile_offsets(W.fmt, nb, ((int64_t)w * walk_tiles + s * slice_tiles), 0);
             const PackedMat part = walk_tiles ? PackedMat{W.fmt, slice_tiles * TILE, W.cols, slice_tiles, W.d + at.d,
                                                           W.q + at.q} : W;
-            rc = matmul(part, A, y, part.rows, path, pool, chunk);
+            rc = matmul_unwaited(part, A, y, part.rows, path, pool, chunk);   // as the engine calls it
         }
         return rc;
     };
@@ -65,6 +65,7 @@ int bench_matmul(const PackedMat& W, int walk_tiles, int slice_tiles, const QAct
         rc = walk((first + r) % walks);
         secs[r] = now() - t0;
     }
+    wait_redo_workers();        // W and A are the caller's to free once this returns
     return rc;
 }
 

@@ -161,10 +161,12 @@ class Engine:
 
     def set_chunk(self, tiles: int | str) -> None:
         """Matmul work split: 0 static halves, n > 0 chunks of n 16-row tiles, "guided"
-        (the default: shares of what is left, shrinking to ~96 KB of weights; matrices under
-        4 MB in static ranges sized to each thread's speed, as the pool measures it), or
-        "redo": pieces either thread may compute, so thread 0 computes a piece again rather
-        than wait for a worker the OS has taken away (the same bits either way)."""
+        (shares of what is left, shrinking to ~96 KB of weights; matrices under 4 MB in static
+        ranges sized to each thread's speed, as the pool measures it), "redo" (each thread's
+        share sized to its speed, in pieces either thread may compute, so thread 0 computes a
+        piece again rather than wait for a worker the OS has taken away), or "auto" (the
+        default: redo or guided, as `lab tune` chose; `lab info` shows it). The same bits
+        whichever."""
         try:
             self._m.set_chunk(split_code(tiles))
         except ValueError as e:

@@ -185,12 +185,13 @@ def split_code(split: int | str) -> int:
     n > 0 hands out n tiles at a time, "guided" (the engine's) shares shrinking to the tuned
     guided_min_bytes of weights, and static ranges sized to each thread's measured speed
     (`Pool.shares`) for matrices under guided_from_bytes (lab.tune; `lab info` shows the
-    values in force), and "redo": pieces either thread may compute, so a thread out of work
-    computes those a worker holds too long (an engine's matmuls; elsewhere "guided")."""
-    if split in ("guided", "redo"):
+    values in force), "redo": each thread's share sized to its speed, in pieces either thread
+    may compute, so a thread out of work computes those a worker holds too long, and "auto"
+    (an engine's default): redo or guided, as the tuning's redo_split says."""
+    if split in ("guided", "redo", "auto"):
         return int(getattr(native.lib(), f"SPLIT_{split.upper()}"))
     if isinstance(split, bool) or not isinstance(split, int) or split < 0:
-        raise ValueError(f"split must be 0 (static), a positive tile count, 'guided' or 'redo', got {split!r}")
+        raise ValueError(f"split must be 0 (static), a positive tile count, 'guided', 'redo' or 'auto', got {split!r}")
     return split
 
 

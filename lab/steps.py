@@ -93,15 +93,16 @@ def threads_bench(target, draft, context: int = 256, gamma: int = 4, rounds: int
                   max_threads: int | None = None, duties=(0.0,), factors=()) -> list[dict]:
     """A draft step, a target step and a verification pass (gamma + 1 tokens), each timed under
     every configuration: thread count, pinned or not, and the split of tiles — static halves,
-    fixed 8-tile hand-outs ("dynamic"), shrinking shares ("guided", the engine's default) or
-    pieces thread 0 computes again rather than wait for an absent worker ("redo") —
+    fixed 8-tile hand-outs ("dynamic"), shrinking shares ("guided") or shares sized to speed
+    in pieces thread 0 computes again rather than wait for an absent worker ("redo"; the
+    engine's default picks one of the last two, `lab tune`) —
     and under each condition of `slowcore.conditions`: a hybrid CPU's real performance and
     efficiency cores, elsewhere the last CPU shared with a co-runner busy each of `duties`, then
     its worker slowed by each of `factors` (emulated efficiency cores; each row has the
     slow-down measured for its condition).
     Each row also has `ideal_ms`: the phase's total work over the cores' total speed, each
     core's speed timed as one pinned thread alone on it under the same condition.
-    The engines get their own pools and the guided split back afterwards."""
+    The engines get their own pools and their default split back afterwards."""
     allowed = sorted(os.sched_getaffinity(0))
     n = len(allowed) if max_threads is None else max_threads
     configs = [(t, pin, split) for t in range(1, n + 1) for pin in ((True, False) if t > 1 else (True,))
@@ -192,7 +193,7 @@ def _configured(engines, pool: kernels.Pool, split: str):
     finally:
         for e, p in zip(engines, saved):
             e.pool = p
-            e.set_chunk("guided")
+            e.set_chunk("auto")
 
 
 def _phases(target, draft, ids, context: int, gamma: int, rounds: int, reps: int, setups: dict) -> dict[tuple, dict]:

@@ -5,10 +5,12 @@ one token (per format) and for k >= 2, whether 1, 2, 3 and 4 tokens take the sin
 (per format), whether the AVX-512 kernel's 2- and 4-token accumulators go through memory (per
 format), how many streams each format's kernels read a thread's share in, from how many tokens
 the AVX-512 kernel takes a tile's tokens in two groups and its streams from nine tokens (both
-also timed from cache), the matrix size from which the matmul split turns from static ranges to
-guided shares, and the guided split's smallest share (both judged on quiet cores, with one core
-shared with a co-runner and with one worker slowed, lab.slowcore, keeping the value that holds
-up on all three; the single-token stages likewise on every thread and on one). None of them
+also timed from cache), which split the engine's matmuls take (guided shares, or redo's pieces
+that thread 0 computes again rather than wait for a worker gone missing), the matrix size from
+which the guided split turns from static ranges to guided shares, and the smallest share or
+piece (the split's three judged on quiet cores, with one core shared with a co-runner and with
+one worker slowed, lab.slowcore, keeping the value that holds up on all three; the single-token
+stages likewise on every thread and on one). None of them
 changes a result (tests/test_tune.py checks every candidate bit for bit); the choices that change
 arithmetic order stay fixed per kernel path.
 
@@ -43,7 +45,7 @@ from .slowcore import SlowCore, slowed
 SINGLE_K = (1, 2, 3, 4)  # the token counts whose prefetch scheme is chosen, per format
 SINGLE = {f"{fmt}_single_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in SINGLE_K}   # field -> what it moves
 MEM_ACC = {f"{fmt}_mem_acc_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in (2, 4)}      # the AVX-512 path's only
-FLAGS = (*SINGLE, *MEM_ACC)      # the yes/no fields
+FLAGS = (*SINGLE, *MEM_ACC, "redo_split")      # the yes/no fields
 STREAMS = {f"{fmt}_streams": fmt for fmt in ("q4", "q8")}      # field -> its format
 # k >= 2: each format's (into L1, into L2) distance fields, and its stage
 MULTI = {"q4": ("prefetch_l1_k", "prefetch_l2_k"), "q8": ("prefetch_l1_k_q8", "prefetch_l2_k_q8")}
@@ -107,7 +109,7 @@ def moves(a: dict, b: dict, k: int) -> bool:
     """Whether a k-token pass can run different kernel code under tunings a and b: a field that
     only moves other token counts leaves it alone (`lab tune --ab` judges only the passes that move)."""
     diff = {f for f in FIELDS if a[f] != b[f]}
-    if diff & {"guided_min_bytes", "guided_from_bytes"}:
+    if diff & {"redo_split", "guided_min_bytes", "guided_from_bytes"}:
         return True
     for f in ("att_split_k", "att_kv_l2_k"):          # attention's choices, from a token count on
         if f in diff and k >= min(x[f] for x in (a, b) if x[f]):
@@ -180,6 +182,7 @@ def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
         "streams_k9": {str(v): {"streams_k9": v} for v in (1, 2)},
         **{f: {str(v).lower(): {f: v} for v in (False, True)} for f in (*SINGLE, *MEM_ACC)},
         "two_groups_k": {str(v): {"two_groups_k": v} for v in sorted({*two_groups()[0], base["two_groups_k"]})},
+        "redo_split": {str(v).lower(): {"redo_split": v} for v in (False, True)},
         "guided_from_bytes": {str(v): {"guided_from_bytes": v} for v in froms},
         "guided_min_bytes": {str(v): {"guided_min_bytes": v} for v in mins},
         "att_split_k": {str(v): {"att_split_k": v} for v in sorted({*ATT_SPLIT_K, base["att_split_k"]})},
@@ -322,7 +325,7 @@ class _Bench:
         self.pool = self.matmul_pool = kernels.Pool(threads)
         self.one = kernels.Pool(1) if self.pool.threads > 1 else self.pool
         self.reps = reps
-        self.guided = int(ns.SPLIT_GUIDED)
+        self.guided, self.auto = int(ns.SPLIT_GUIDED), int(ns.SPLIT_AUTO)
         self.W, self.walk, self.tile_bytes, self.acts, self._next = {}, {}, {}, {}, {"q4": 0, "q8": 0}
         self._cached: dict = {}       # (fmt, k) -> an L2 matrix and activations (cached())
         self._l2: dict = {}           # fmt -> its L2 matrix, one for every k
@@ -470,12 +473,23 @@ def _threshold_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int,
             for name, sets in cands.items()}
 
 
+def _scheme_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
+    """Each split's (redo_split's) seconds per round over walks of every SPLIT_SIZES slice size."""
+    def walk(sets):
+        def run():
+            apply({**base, **sets})
+            return _summed(b.slices(size, b.auto) for size in SPLIT_SIZES)
+        return run
+    return _per_round({name: walk(sets) for name, sets in cands.items()}, rounds, bar)
+
+
 def _share_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
-    """Each smallest guided share's seconds per round over guided walks of every SHARE_SIZES size."""
+    """Each smallest share's (or redo piece's) seconds per round over walks of every SHARE_SIZES
+    size, in the split chosen."""
     def walk(sets):
         def run():
             apply({**base, **sets, "guided_from_bytes": 0})
-            return [sum(x) for x in zip(*(b.slices(size, b.guided) for size in SHARE_SIZES))]
+            return [sum(x) for x in zip(*(b.slices(size, b.auto) for size in SHARE_SIZES))]
         return run
     return _per_round({n: walk(sets) for n, sets in cands.items()}, rounds, bar)
 
@@ -495,7 +509,8 @@ def _held_up(timer, b: _Bench, base: dict, cands: dict[str, dict], rounds: int, 
     return _worse_of([quiet, shared, slow], default)
 
 
-SPLIT_TIMERS = {"guided_from_bytes": _threshold_times, "guided_min_bytes": _share_times}   # timed 3 times: _held_up
+SPLIT_TIMERS = {"redo_split": _scheme_times, "guided_from_bytes": _threshold_times,
+                "guided_min_bytes": _share_times}   # timed 3 times: _held_up
 # The single-token stream's stages, timed on every thread and again on one, each round's ratio the
 # worse of the two: where the threads do not share one link to memory, as when a hypervisor
 # puts two vCPUs on different dies, each core's own memory parallelism binds (docs/tuning.md).

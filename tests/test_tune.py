@@ -57,7 +57,8 @@ def every_choice():
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 def test_every_choice_keeps_every_bit(fmt, path, restore):
     rng = np.random.default_rng(7)
-    # 2-4 MB: the split thresholds among the candidates put it in static halves or guided shares
+    # 2-4 MB: the split thresholds among the candidates put it in static halves or guided shares,
+    # and "auto" takes redo's pieces or the guided split as redo_split says
     W = kernels.pack(kernels.quantize((rng.standard_normal((3600, 1024)) * 0.1).astype(np.float32), fmt))
     x = (rng.standard_normal((16, 1024)) * 3).astype(np.float32)
     pool = kernels.Pool(min(2, len(__import__("os").sched_getaffinity(0))))
@@ -66,7 +67,7 @@ def test_every_choice_keeps_every_bit(fmt, path, restore):
     for sets in every_choice():
         tune.apply({**tune.defaults(), **sets})
         for k in range(1, 17):
-            got = kernels.matmul(W, x[:k], path=path, pool=pool, chunk="guided")
+            got = kernels.matmul(W, x[:k], path=path, pool=pool, chunk="auto")
             assert np.array_equal(bits(got), bits(want[k - 1])), (sets, k)
 
 
