@@ -102,6 +102,9 @@ public:
     void slow(int tid, double factor);
     // Each thread's share of the speed over recent SPLIT_WEIGHTED calls (0s until one ran).
     std::vector<double> shares() const;
+    // Each thread's speed over thread 0's as parallel_redo has timed it (the median of its recent
+    // jobs; 1 until measured): what a redo job's shares follow.
+    std::vector<double> redo_speeds() const;
     struct Impl;
 private:
     Impl* impl_;

@@ -281,7 +281,7 @@ struct ThreadPool::Impl {
     // while the speeds lie within WEIGHT_BAND of each other.
     void share_out(RedoJob& j) const {
         double speed[REDO_MAX_THREADS], total = 0;
-        for (int t = 0; t < n; t++) total += speed[t] = t ? 1 / ratio(t) : 1.0;
+        for (int t = 0; t < n; t++) total += speed[t] = t ? 1 / ratio(t) : 1.0;    // as redo_speeds()
         const auto [lo, hi] = std::minmax_element(speed, speed + n);
         const bool even = *hi < WEIGHT_BAND * *lo;
         double before = 0;
@@ -486,6 +486,11 @@ void ThreadPool::slow(int tid, double factor) {
     impl_->slow_extra = factor > 1 ? factor - 1 : 0;
 }
 std::vector<double> ThreadPool::shares() const { return impl_->share; }
+std::vector<double> ThreadPool::redo_speeds() const {
+    std::vector<double> out(impl_->n, 1.0);
+    for (int t = 1; t < impl_->n; t++) out[t] = 1 / impl_->ratio(t);
+    return out;
+}
 int ThreadPool::cpu(int tid) const { return impl_->pin ? impl_->cpus[tid] : -1; }
 bool ThreadPool::pinned() const { return impl_->pin; }
 

@@ -81,6 +81,12 @@ class Pool:
         matrices) measured it over its recent calls; 0s until one ran."""
         return list(self._pool.shares())
 
+    @property
+    def redo_speeds(self) -> list[float]:
+        """Each thread's speed over the first's, as the redo split measured it over its recent
+        calls (1s until measured): each thread's share of a redo call follows them."""
+        return list(self._pool.redo_speeds())
+
     def __repr__(self) -> str:
         slow = f", slowed={self.slowed}" if self.slowed else ""
         return f"Pool(threads={self.threads}, cpus={self.cpus}, pin={self.pin}{slow})"

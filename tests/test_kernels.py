@@ -104,6 +104,22 @@ def test_a_slow_worker_changes_nothing_but_its_share(fmt, path, rng):
         assert np.array_equal(bits(kernels.matmul(W, x, path=path, pool=pool, chunk=chunk)), bits(one)), chunk
 
 
+@pytest.mark.parametrize("path", native.supported_paths())
+def test_redo_measures_a_slowed_worker(fmt, path, rng):
+    """Under "redo", with one worker slowed 3x, the pool's timing of each thread's pieces puts
+    the slowed one at about a third of the first thread's speed (which its share of a redo call
+    follows), and every result stays bit for bit the one-thread result."""
+    W = formats.quantize(rng.standard_normal((4097, 1024)).astype(np.float32), fmt)   # pieces long enough to time
+    x = rng.standard_normal((4, 1024)).astype(np.float32)
+    one = kernels.matmul(W, x, path=path)
+    cpus = two_cpus()
+    pool = kernels.Pool(2, cpus=cpus).slow(cpus[1], 3.0)
+    assert pool.redo_speeds == [1.0, 1.0]
+    for _ in range(30):
+        assert np.array_equal(bits(kernels.matmul(W, x, path=path, pool=pool, chunk="redo")), bits(one))
+    assert pool.redo_speeds[0] == 1.0 and 0.1 < pool.redo_speeds[1] < 0.6, pool.redo_speeds
+
+
 def test_weighted_ranges_follow_the_threads_speeds():
     """SPLIT_WEIGHTED: equal ranges until the pool has measured its threads, then ranges in
     proportion to their speeds: with the second worker 3x slower, the first takes about 3/4."""
