@@ -94,8 +94,8 @@ public:
     // any still unwritten whose holder has gone missing, or is so slow that thread 0 would finish
     // first. It returns when every piece is written, even while a worker is still inside one:
     // `job` (job_bytes <= REDO_JOB_BYTES) is copied, and whatever it points to must outlive the
-    // call until wait_redo_workers() (a late worker still reads it; it never writes). Pools of
-    // up to REDO_MAX_THREADS.
+    // call until wait_redo_workers() (a late worker still reads it; it never writes). A pool of
+    // more than REDO_MAX_THREADS runs it on thread 0 alone (the engine takes the guided split there).
     void parallel_redo(int items, int least, int most, PieceFn compute, PieceFn commit, const void* job, int job_bytes);
     // Emulates a slower core for the threads section (lab.slowcore): thread tid's pieces of
     // work each take `factor` times as long; a factor of 1 or less turns it off.

@@ -546,8 +546,9 @@ void ThreadPool::parallel_redo(int items, int least, int most, PieceFn compute, 
     std::memcpy(j.job, job, std::min(job_bytes, REDO_JOB_BYTES));
     j.most = std::clamp(most, 1, 0xFFFF);
     j.least = std::clamp(least, 1, j.most);
-    p.share_out(j);
-    if (p.n == 1 || !j.lay_out(p.n)) {      // more pieces than commits: thread 0 alone, in pieces of `most`
+    const bool shared = p.n > 1 && p.n <= REDO_MAX_THREADS;
+    if (shared) p.share_out(j);
+    if (!shared || !j.lay_out(p.n)) {      // or more pieces than commits: thread 0 alone, in pieces of `most`
         for (int b = 0; b < items; b += j.most) {
             const int e = std::min(items, b + j.most);
             const uint64_t t0 = __rdtsc();
