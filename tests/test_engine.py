@@ -229,8 +229,8 @@ def test_bf16_values_ignore_what_the_cache_holds_past_them(pool, tmp_path, atten
 def test_every_split_gives_the_same_logits(files, pool):
     toks = prompts(TINY["tiny-qwen3"], 1, seed=3)[0] + list(range(20))
     e = Engine(files["tiny-qwen3"]["q4-q8out"], pool=pool, max_context=128)
-    want = e.forward(toks, 0)                      # the default split: guided
-    for split in (0, 1, 8, "guided", "redo"):
+    want = e.forward(toks, 0)                      # the default split: "auto"
+    for split in (0, 1, 8, "guided", "redo", "auto"):
         e.set_chunk(split)
         assert e.forward(toks, 0).tobytes() == want.tobytes(), split
     from lab import tune

@@ -281,6 +281,7 @@ def test_the_split_chosen_holds_up_with_a_slow_core(monkeypatch, fragile_where):
     assert state["cpu"] == 5 and state["duty"] == tune.SLOW_DUTY
     assert state["slowed"] == (5, tune.SLOW_FACTOR) and state["where"] is None     # and back to full speed
     assert tune._bar_rounds("guided_from_bytes", 4) == 12          # the bar counts all three timings up front
+    assert set(tune.SPLIT_TIMERS) == {"redo_split", "guided_from_bytes", "guided_min_bytes"}   # each judged so
     assert tune._pick(times, default)[0] == steady
 
 
