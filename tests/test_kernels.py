@@ -86,16 +86,20 @@ def two_cpus():
     return cpus[:2]
 
 
+def slowed_3x(fmt, path, rng, rows, cols):
+    """A matrix, 4 tokens, their one-thread product, and a 2-thread pool whose worker is slowed 3x."""
+    W = formats.quantize(rng.standard_normal((rows, cols)).astype(np.float32), fmt)
+    x = rng.standard_normal((4, cols)).astype(np.float32)
+    cpus = two_cpus()
+    return W, x, kernels.matmul(W, x, path=path), kernels.Pool(2, cpus=cpus).slow(cpus[1], 3.0)
+
+
 @pytest.mark.parametrize("path", native.supported_paths())
 def test_a_slow_worker_changes_nothing_but_its_share(fmt, path, rng):
     """With one worker slowed 3x, the guided split's small matrices go in ranges sized to the
     threads' speeds (SPLIT_WEIGHTED): the fast thread's share grows, and every result stays
     bit for bit the one-thread result."""
-    W = formats.quantize(rng.standard_normal((257, 512)).astype(np.float32), fmt)
-    x = rng.standard_normal((4, 512)).astype(np.float32)
-    one = kernels.matmul(W, x, path=path)
-    cpus = two_cpus()
-    pool = kernels.Pool(2, cpus=cpus).slow(cpus[1], 3.0)
+    W, x, one, pool = slowed_3x(fmt, path, rng, 257, 512)
     assert pool.shares == [0.0, 0.0]
     for _ in range(30):
         assert np.array_equal(bits(kernels.matmul(W, x, path=path, pool=pool, chunk="guided")), bits(one))
@@ -109,11 +113,7 @@ def test_redo_measures_a_slowed_worker(fmt, path, rng):
     """Under "redo", with one worker slowed 3x, the pool's timing of each thread's pieces puts
     the slowed one at about a third of the first thread's speed (which its share of a redo call
     follows), and every result stays bit for bit the one-thread result."""
-    W = formats.quantize(rng.standard_normal((4097, 1024)).astype(np.float32), fmt)   # pieces long enough to time
-    x = rng.standard_normal((4, 1024)).astype(np.float32)
-    one = kernels.matmul(W, x, path=path)
-    cpus = two_cpus()
-    pool = kernels.Pool(2, cpus=cpus).slow(cpus[1], 3.0)
+    W, x, one, pool = slowed_3x(fmt, path, rng, 4097, 1024)     # pieces long enough to time
     assert pool.redo_speeds == [1.0, 1.0]
     for _ in range(30):
         assert np.array_equal(bits(kernels.matmul(W, x, path=path, pool=pool, chunk="redo")), bits(one))
