@@ -482,12 +482,18 @@ static int64_t min_share_tiles(const PackedMat& W, const Tuning& tn) {
 // Pieces that shrink from 64 tiles (or what fits the scratch) down to guided_min_bytes: a
 // thread's first pieces long for the kernel's streams, its last short, so that a thread out of
 // work takes small ones from the others and a piece held by a worker gone missing costs little
-// to compute again.
+// to compute again. A matrix the guided split takes in static ranges (under guided_from_bytes)
+// goes in two pieces a thread: there each piece's restart of the streams cost more than a
+// finer tail bought (docs/tuning.md).
 static void redo(const PackedMat& W, const QActs& A, float* y, int64_t ldy, TilesFn fn, ThreadPool* pool) {
     const RedoMatmul job{W, &A, y, ldy, fn};
+    const Tuning tn = tuning();
     const int most = std::min(64, REDO_SCRATCH_FLOATS / (TILE * A.k()));
-    const int least = (int)std::min<int64_t>(most, min_share_tiles(W, tuning()));
-    pool->parallel_redo(W.tiles, least, most, RedoMatmul::compute, RedoMatmul::commit, &job, sizeof job);
+    int64_t least = min_share_tiles(W, tn);
+    if (packed_nbytes(W.fmt, TILE, W.cols) * W.tiles < tn.guided_from_bytes)
+        least = std::max<int64_t>(least, (W.tiles + 2 * pool->size() - 1) / (2 * pool->size()));
+    least = std::min<int64_t>(least, most);
+    pool->parallel_redo(W.tiles, (int)least, most, RedoMatmul::compute, RedoMatmul::commit, &job, sizeof job);
 }
 
 int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path, ThreadPool* pool, int chunk) {
