@@ -274,8 +274,9 @@ def cmd_tune(args) -> int:
         for name, m in cands.items():
             mark = "  <- chosen" if name == r["chosen"][stage] else ""
             print(f"{stage:18s} {name:>12s} {m['ratio']:13.3f} {m['iqr']:6.3f}{mark}")
-    for stage, c in r["confirmed"].items():
-        print(f"{stage:18s} {c['candidate']:>12s} {c['ratio']:13.3f} {c['iqr']:6.3f}  (timed again against the default)")
+    for stage, tried in r["confirmed"].items():
+        for c in tried:
+            print(f"{stage:18s} {c['candidate']:>12s} {c['ratio']:13.3f} {c['iqr']:6.3f}  (timed again against the default)")
     return 0
 
 
