@@ -16,7 +16,8 @@ arithmetic order stay fixed per kernel path.
 
 `tune()` times each candidate against the default with the real kernels on a working set past the
 last-level cache, candidates interleaved round by round; the one with the lowest median ratio, if
-MARGIN or lower, is timed against the default again and kept only if it clearly wins there. The result is cached as JSON beside the native
+MARGIN or lower, is timed against the default again and kept only if it clearly wins there (where
+it does not, the runner-up likewise, `_nominees`). The result is cached as JSON beside the native
 builds, keyed by CPU model, kernel path and the build's sources (`native.loaded_key`). Loading the
 library applies a valid cache and never measures; the first Engine measures when nothing valid is
 cached (`ensure`), `lab tune` measures again; LAB_TUNE=0 keeps the defaults.
@@ -647,7 +648,8 @@ def tune(progress: bool = True, mb: int = 64, rounds: int = 10, reps: int = 3,
     """Measures every stage's candidates on this machine and returns the values chosen, with each
     candidate's median time ratio to the default; the values in force are left as they were.
     The candidate with the lowest median ratio, if MARGIN or lower, is timed against the default
-    once more, alone, for as many rounds, and kept only if it clearly wins there.
+    once more, alone, for as many rounds, and kept only if it clearly wins there; where it does
+    not, the runner-up is timed so too (`_nominees`).
     mb: the MB of each matrix timed at a time (cycled through a matrix past the last-level cache,
     so the weights stream from memory); 64 MB in 10 rounds chose as 256 MB in 15 did, in a
     fifth of the time (docs/tuning.md)."""
