@@ -133,6 +133,9 @@ constexpr int SPLIT_WEIGHTED = -(1 << 30);
 constexpr int SPLIT_REDO = -(1 << 29);
 // The engine's default: SPLIT_REDO or SPLIT_GUIDED as Tuning::redo_split says.
 constexpr int SPLIT_AUTO = -(1 << 28);
+// The split a call with `chunk` runs on `pool`: SPLIT_AUTO as the tuning says, SPLIT_REDO where
+// the pool can run it (2 to REDO_MAX_THREADS threads), else SPLIT_GUIDED; any other as given.
+int resolve_split(int chunk, const ThreadPool* pool);
 constexpr double WEIGHT_BAND = 1.10;
 // A windowed attention's recent positions start on a multiple of this, whole tiles of its
 // scores and values, so a task's tiles never span the positions it skips.

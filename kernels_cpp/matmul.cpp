@@ -473,6 +473,17 @@ struct RedoMatmul {
 static_assert(sizeof(RedoMatmul) <= REDO_JOB_BYTES, "a SPLIT_REDO job fits the pool's copy");
 static_assert(REDO_SCRATCH_FLOATS >= 64 * TILE * MAX_K, "64 tiles fit a thread's scratch");
 
+int resolve_split(int chunk, const ThreadPool* pool) {
+    if (chunk == SPLIT_AUTO) chunk = tuning().redo_split ? SPLIT_REDO : SPLIT_GUIDED;
+    if (chunk == SPLIT_REDO && !(pool && pool->size() > 1 && pool->size() <= REDO_MAX_THREADS)) chunk = SPLIT_GUIDED;
+    return chunk;
+}
+
+// Whether the guided split takes W in static ranges: under Tuning::guided_from_bytes of weights.
+static bool in_static_ranges(const PackedMat& W, const Tuning& tn) {
+    return packed_nbytes(W.fmt, TILE, W.cols) * W.tiles < tn.guided_from_bytes;
+}
+
 // The guided split's smallest share in tiles of W (Tuning::guided_min_bytes of weights).
 static int64_t min_share_tiles(const PackedMat& W, const Tuning& tn) {
     const int64_t tile_bytes = packed_nbytes(W.fmt, TILE, W.cols);
@@ -490,7 +501,7 @@ static void redo(const PackedMat& W, const QActs& A, float* y, int64_t ldy, Tile
     const Tuning tn = tuning();
     const int most = std::min(64, REDO_SCRATCH_FLOATS / (TILE * A.k()));
     int64_t least = min_share_tiles(W, tn);
-    if (packed_nbytes(W.fmt, TILE, W.cols) * W.tiles < tn.guided_from_bytes)
+    if (in_static_ranges(W, tn))
         least = std::max<int64_t>(least, (W.tiles + 2 * pool->size() - 1) / (2 * pool->size()));
     least = std::min<int64_t>(least, most);
     pool->parallel_redo(W.tiles, (int)least, most, RedoMatmul::compute, RedoMatmul::commit, &job, sizeof job);
@@ -498,7 +509,7 @@ static void redo(const PackedMat& W, const QActs& A, float* y, int64_t ldy, Tile
 
 int matmul(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int path, ThreadPool* pool, int chunk) {
     const int rc = matmul_unwaited(W, A, y, ldy, path, pool, chunk);
-    if (chunk == SPLIT_REDO || chunk == SPLIT_AUTO) wait_redo_workers();   // the caller may free W and A once this returns
+    if (resolve_split(chunk, pool) == SPLIT_REDO) wait_redo_workers();   // the caller may free W and A once this returns
     return rc;
 }
 
@@ -511,16 +522,14 @@ int matmul_unwaited(const PackedMat& W, const QActs& A, float* y, int64_t ldy, i
     if (A.k() < 1 || A.k() > MAX_K) return MM_BAD_K;
     if (!path_supported(path)) return MM_PATH_UNSUPPORTED;
     const TilesFn fn = tiles_for(path, W.fmt);
-    if (chunk == SPLIT_AUTO) chunk = tuning().redo_split ? SPLIT_REDO : SPLIT_GUIDED;
-    if (chunk == SPLIT_REDO && pool && pool->size() > 1 && pool->size() <= REDO_MAX_THREADS) {
+    chunk = resolve_split(chunk, pool);
+    if (chunk == SPLIT_REDO) {
         redo(W, A, y, ldy, fn, pool);
         return MM_OK;
     }
-    if (chunk == SPLIT_REDO) chunk = SPLIT_GUIDED;
     if (chunk == SPLIT_GUIDED) {    // the pool's smallest share in tiles, from bytes; small matrices weighted static
         const Tuning tn = tuning();
-        chunk = packed_nbytes(W.fmt, TILE, W.cols) * W.tiles < tn.guided_from_bytes ? SPLIT_WEIGHTED
-                                                                                    : -(int)min_share_tiles(W, tn);
+        chunk = in_static_ranges(W, tn) ? SPLIT_WEIGHTED : -(int)min_share_tiles(W, tn);
     }
     for_range(pool, W.tiles, chunk, [&](int b, int e, int) { fn(W, A, y, ldy, b, e); });
     return MM_OK;

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <vector>
 
@@ -460,6 +461,9 @@ struct Model::Impl {
     int ffn_hidden(int k, bool quantize, ThreadPool* pool, int path);
     bool redo_on(ThreadPool* pool) const;
     struct RedoAttention;
+    void attend_task(AttendFn attend, int layer, int kvh, int j0, int n, int pos, float scale, float* out,
+                     size_t out_stride, float* scores) const;
+    bool quantize_att(int j, int kvh, int path);
     int rows_in(const float* add, const float* w, bool quantize, int k, ThreadPool* pool, int path);
     int attention(int layer, int k, int pos, bool quantize_out, ThreadPool* pool, int path);
     void prep_head(int layer, int kvh, int j, int pos, int path);
@@ -777,33 +781,32 @@ struct Model::Impl::RedoAttention {
     bool quantize;
 
     int chunks() const { return (k + per - 1) / per; }
+    int head_floats() const { return m->h.num_heads / m->h.num_kv_heads * m->h.head_dim; }    // a token's rows
+    // Task t: KV head, first token and token count.
+    std::tuple<int, int, int> task(int t) const {
+        const int j0 = t % chunks() * per;
+        return {t / chunks(), j0, std::min(per, k - j0)};
+    }
     static void compute(const void* job, int b, int e, float* out, int tid) {
         const RedoAttention& r = *(const RedoAttention*)job;
-        Impl& m = *r.m;         // its attention scratch: this thread's rows only
-        const int D = m.h.head_dim, KV = m.h.num_kv_heads, group = m.h.num_heads / KV, chunks = r.chunks();
-        float* scores = m.scratch.data() + (size_t)tid * att_scratch_floats(m.att_rows, m.max_ctx, D);
+        const Impl& m = *r.m;
+        float* scores = r.m->scratch.data() + (size_t)tid * att_scratch_floats(m.att_rows, m.max_ctx, m.h.head_dim);
         for (int t = b; t < e; t++) {
-            const int kvh = t / chunks, j0 = t % chunks * r.per, n = std::min(r.per, r.k - j0);
-            const size_t base = (((size_t)r.layer * KV + kvh) * m.cache_ctx) * D;
-            const Queries a{m.qkv.data() + (size_t)j0 * m.qkv_rows + (size_t)kvh * group * D, (size_t)m.qkv_rows,
-                            out + (size_t)(t - b) * r.per * group * D, (size_t)group * D,
-                            group, n, r.pos + j0 + 1, D, m.att_sink, m.att_window};
-            r.attend(a, m.kcache() + base, m.vcache() + base, r.scale, scores, att_buffer(scores, m.att_rows, m.max_ctx));
+            const auto [kvh, j0, n] = r.task(t);
+            m.attend_task(r.attend, r.layer, kvh, j0, n, r.pos, r.scale, out + (size_t)(t - b) * r.per * r.head_floats(),
+                          r.head_floats(), scores);
         }
     }
     static void commit(const void* job, int b, int e, float* out, int) {
         const RedoAttention& r = *(const RedoAttention*)job;
         Impl& m = *r.m;
-        const int D = m.h.head_dim, KV = m.h.num_kv_heads, group = m.h.num_heads / KV, chunks = r.chunks();
-        const int64_t nb = m.q_dim / QK, task_blocks = group * D / QK;
+        const int rows = r.head_floats();
         for (int t = b; t < e; t++) {
-            const int kvh = t / chunks, j0 = t % chunks * r.per, n = std::min(r.per, r.k - j0);
+            const auto [kvh, j0, n] = r.task(t);
             for (int j = j0; j < j0 + n; j++) {
-                std::memcpy(m.att.data() + (size_t)j * m.q_dim + (size_t)kvh * group * D,
-                            out + ((size_t)(t - b) * r.per + (j - j0)) * group * D, (size_t)group * D * sizeof(float));
-                int64_t at = 0;
-                const int64_t b0 = j * nb + kvh * task_blocks;
-                if (r.quantize && m.acts.quantize_blocks(m.att.data(), b0, b0 + task_blocks, r.path, &at) != Q_OK) *r.bad = true;
+                std::memcpy(m.att.data() + (size_t)j * m.q_dim + (size_t)kvh * rows,
+                            out + ((size_t)(t - b) * r.per + (j - j0)) * rows, (size_t)rows * sizeof(float));
+                if (r.quantize && !m.quantize_att(j, kvh, r.path)) *r.bad = true;
             }
         }
     }
@@ -829,7 +832,6 @@ int Model::Impl::attention(int layer, int k, int pos, bool quantize_out, ThreadP
             for (int kvh = 0; kvh < KV; kvh++) prep_head(layer, kvh, j, pos, path);
     lap(STAGE_SERIAL);
     if (quantize_out && acts.shape(k, q_dim) != Q_OK) return E_NONFINITE;
-    const int64_t nb = q_dim / QK, task_blocks = group * D / QK;
     std::atomic<bool> bad{false};
     if (redo) {
         const RedoAttention job{this, attend, &bad, layer, k, pos, per, path, scale, quantize_out};
@@ -839,18 +841,33 @@ int Model::Impl::attention(int layer, int k, int pos, bool quantize_out, ThreadP
     attention_tasks(pool, KV, k, per, scratch.data(), per_thread, [&](int kvh, int j0, int n, float* scores) {
         if (whole)
             for (int j = 0; j < k; j++) prep_head(layer, kvh, j, pos, path);
-        const size_t base = (((size_t)layer * KV + kvh) * cache_ctx) * D;
-        const Queries a{qkv.data() + (size_t)j0 * qkv_rows + (size_t)kvh * group * D, (size_t)qkv_rows,
-                        att.data() + (size_t)j0 * q_dim + (size_t)kvh * group * D, (size_t)q_dim,
-                        group, n, pos + j0 + 1, D, att_sink, att_window};
-        attend(a, kcache() + base, vcache() + base, scale, scores, att_buffer(scores, att_rows, max_ctx));
-        for (int j = j0; quantize_out && j < j0 + n; j++) {
-            int64_t at = 0;
-            const int64_t b0 = j * nb + kvh * task_blocks;
-            if (acts.quantize_blocks(att.data(), b0, b0 + task_blocks, path, &at) != Q_OK) bad = true;
-        }
+        attend_task(attend, layer, kvh, j0, n, pos, scale, att.data() + (size_t)j0 * q_dim + (size_t)kvh * group * D, q_dim,
+                    scores);
+        for (int j = j0; quantize_out && j < j0 + n; j++)
+            if (!quantize_att(j, kvh, path)) bad = true;
     });
     return bad ? E_NONFINITE : E_OK;
+}
+
+// KV head kvh's attention for tokens [j0, j0 + n) of a pass at pos (their rows prepared): into
+// out, token j0's query heads first and each token out_stride floats after the last, with
+// `scores` (a thread's attention scratch) to work in.
+void Model::Impl::attend_task(AttendFn attend, int layer, int kvh, int j0, int n, int pos, float scale, float* out,
+                              size_t out_stride, float* scores) const {
+    const int D = h.head_dim, KV = h.num_kv_heads, group = h.num_heads / KV;
+    const size_t base = (((size_t)layer * KV + kvh) * cache_ctx) * D;
+    const Queries a{qkv.data() + (size_t)j0 * qkv_rows + (size_t)kvh * group * D, (size_t)qkv_rows, out, out_stride,
+                    group, n, pos + j0 + 1, D, att_sink, att_window};
+    attend(a, kcache() + base, vcache() + base, scale, scores, att_buffer(scores, att_rows, max_ctx));
+}
+
+// Token j's attention outputs of KV head kvh, from att into acts' blocks for the o projection;
+// false at a value that is not finite.
+bool Model::Impl::quantize_att(int j, int kvh, int path) {
+    const int64_t task_blocks = (int64_t)h.num_heads / h.num_kv_heads * h.head_dim / QK;
+    const int64_t b0 = (int64_t)j * (q_dim / QK) + kvh * task_blocks;
+    int64_t at = 0;
+    return acts.quantize_blocks(att.data(), b0, b0 + task_blocks, path, &at) == Q_OK;
 }
 
 // Token j's qkv row, KV head kvh's share: the bias, the norms and rotations of the head's
@@ -932,10 +949,7 @@ static_assert(sizeof(Swiglu) <= REDO_JOB_BYTES, "a SwiGLU job fits the pool's co
 
 // Whether the engine's matmuls run SPLIT_REDO on this pool: then the work between them that
 // can goes in redo pieces too (a worker the OS takes away inside it no longer holds thread 0).
-bool Model::Impl::redo_on(ThreadPool* pool) const {
-    const bool redo = split_tiles == SPLIT_REDO || (split_tiles == SPLIT_AUTO && tuning().redo_split);
-    return redo && pool && pool->size() > 1 && pool->size() <= REDO_MAX_THREADS;
-}
+bool Model::Impl::redo_on(ThreadPool* pool) const { return resolve_split(split_tiles, pool) == SPLIT_REDO; }
 
 // SiLU(gate) * up into hb and, with `quantize`, on into acts' 8-bit blocks for the down
 // projection: each thread quantizes what it just computed, so the down matrix's input is

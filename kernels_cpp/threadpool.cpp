@@ -34,6 +34,20 @@ bool pin_self(int cpu) {
     return pthread_setaffinity_np(pthread_self(), sizeof set, &set) == 0;
 }
 
+// Thread t's range [bounds[t], bounds[t + 1]) of `items`: in proportion to its speed, or even
+// while the speeds lie within WEIGHT_BAND of each other (or one is not yet measured, 0).
+void split_by_speed(const double* speed, int n, int items, int* bounds) {
+    const auto [lo, hi] = std::minmax_element(speed, speed + n);
+    const bool even = *lo <= 0 || *hi < WEIGHT_BAND * *lo;
+    double total = 0, before = 0;
+    for (int t = 0; t < n; t++) total += speed[t];
+    for (int t = 0; t < n; t++) {
+        bounds[t] = even ? (int)((int64_t)items * t / n) : std::min(items, (int)std::lround(items * before / total));
+        before += speed[t];
+    }
+    bounds[n] = items;
+}
+
 std::vector<int> allowed_cpus() {
     std::vector<int> out;
     cpu_set_t set;
@@ -277,19 +291,11 @@ struct ThreadPool::Impl {
         }
     }
 
-    // Each thread's share of job j's items, in proportion to its speed (1 / its ratio), or even
-    // while the speeds lie within WEIGHT_BAND of each other.
+    // Each thread's share of job j's items, by its speed (1 / its ratio, as redo_speeds()).
     void share_out(RedoJob& j) const {
-        double speed[REDO_MAX_THREADS], total = 0;
-        for (int t = 0; t < n; t++) total += speed[t] = t ? 1 / ratio(t) : 1.0;    // as redo_speeds()
-        const auto [lo, hi] = std::minmax_element(speed, speed + n);
-        const bool even = *hi < WEIGHT_BAND * *lo;
-        double before = 0;
-        for (int t = 0; t < n; t++) {
-            j.owned[t] = even ? (int)((int64_t)j.items * t / n) : (int)std::lround(j.items * before / total);
-            before += speed[t];
-        }
-        j.owned[n] = j.items;
+        double speed[REDO_MAX_THREADS];
+        for (int t = 0; t < n; t++) speed[t] = t ? 1 / ratio(t) : 1.0;
+        split_by_speed(speed, n, j.items, j.owned);
     }
 
     // Who holds piece p of job j, as far as thread 0 can tell: the worker and when it began,
@@ -420,16 +426,7 @@ struct ThreadPool::Impl {
 
     // This call's ranges: in proportion to the threads' shares of the speed, or equal while
     // those lie within WEIGHT_BAND of each other.
-    void weigh() {
-        const auto [lo, hi] = std::minmax_element(share.begin(), share.end());
-        const bool even = *lo <= 0 || *hi < WEIGHT_BAND * *lo;
-        double before = 0;
-        for (int t = 0; t < n; t++) {
-            bounds[t] = even ? (int)((int64_t)items * t / n) : std::min(items, (int)std::lround(items * before));
-            before += share[t];
-        }
-        bounds[n] = items;
-    }
+    void weigh() { split_by_speed(share.data(), n, items, bounds.data()); }
 
     // Each thread's share of the speed in the call just done (items a cycle, over all the
     // threads'), folded into the running average; calls where a thread had nothing are skipped.
