@@ -247,6 +247,86 @@ static int quantize_act_avx512(const float* x, int8_t* q, float* d, int32_t* s, 
     _mm_storeu_si128((__m128i*)(q + 16), _mm512_cvtsepi32_epi8(qi[1]));
     return -1;
 }
+
+// Sixteen blocks at once. One block's two horizontal reductions (its largest magnitude and its
+// sum) and its scalar scale cost more than its rounding, so sixteen blocks' registers are
+// reduced together, a transpose as they go, and their scales made in one register.
+constexpr int ACT_GROUP = 16;
+
+// One register of v[0..15]'s reductions by op: lane i holds op over v[i]'s sixteen lanes.
+template <class Op>
+static inline __m512 reduce16(__m512 (&v)[ACT_GROUP], Op op) {
+    __m512 r[8], t[4], u[2];
+    for (int i = 0; i < 8; i++)      // quarters 0-1: v[2i] folded to 8 lanes; 2-3: v[2i + 1]
+        r[i] = op(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44), _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; i++)      // quarter j: v[4i + j] folded to 4 lanes
+        t[i] = op(_mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0x88), _mm512_shuffle_f32x4(r[2 * i], r[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; i++)      // quarter j: lanes 0-1 v[8i + j], lanes 2-3 v[8i + 4 + j]
+        u[i] = op(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44), _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xee));
+    // quarter j: v[j], v[4 + j], v[8 + j], v[12 + j]; the permute puts v[i] in lane i
+    const __m512 w = op(_mm512_shuffle_ps(u[0], u[1], 0x88), _mm512_shuffle_ps(u[0], u[1], 0xdd));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), w);
+}
+
+// act_scale on sixteen blocks' largest magnitudes: the scales, their reciprocals (0 for 0) and e << 23.
+static inline void act_scales16(__m512 amax, __m512* sc, __m512* inv, __m512i* e23) {
+    const __m512i b = _mm512_castps_si512(amax), one = _mm512_set1_epi32(1);
+    const __mmask16 nonzero = _mm512_test_epi32_mask(b, b);
+    const __mmask16 more = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffff)),
+                                                  _mm512_set1_epi32(63 << 17));
+    __m512i e = _mm512_sub_epi32(_mm512_srli_epi32(b, 23), _mm512_set1_epi32(133));   // E - 126 - 7
+    e = _mm512_mask_add_epi32(e, more, e, one);
+    e = _mm512_max_epi32(e, _mm512_set1_epi32(ACT_EXP_MIN));      // and a subnormal's E of 0 lands here
+    const __m512i k127 = _mm512_set1_epi32(127);
+    *e23 = _mm512_maskz_slli_epi32(nonzero, e, 23);
+    *sc = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(nonzero, _mm512_add_epi32(e, k127), 23));
+    *inv = _mm512_castsi512_ps(_mm512_maskz_slli_epi32(nonzero, _mm512_sub_epi32(k127, e), 23));
+}
+
+// 16 values' |v| / sc rounded half away from zero, clamped to 127, with v's sign. |v| * inv is
+// exact; adding 0.5 toward zero and truncating gives floor(|v| * inv + 0.5) exactly, since that
+// integer is a float no larger than the rounded-down sum.
+static inline __m512i round_q8_16(__m512 v, __m512 inv) {
+    const __m512 u = _mm512_add_round_ps(_mm512_mul_ps(_mm512_abs_ps(v), inv), _mm512_set1_ps(0.5f),
+                                         _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+    const __m512i n = _mm512_min_epi32(_mm512_cvtt_roundps_epi32(u, _MM_FROUND_NO_EXC), _mm512_set1_epi32(127));
+    return _mm512_mask_sub_epi32(n, _mm512_movepi32_mask(_mm512_castps_si512(v)), _mm512_setzero_si512(), n);
+}
+
+// Blocks [0, 16) of x; false when one holds a value it cannot quantize (the caller finds it).
+static bool quantize_act16_avx512(const float* x, int8_t* q, float* d, int32_t* s, int32_t* e23, int32_t* c4,
+                                  int32_t* c8) {
+    const __m512 act_max = _mm512_set1_ps(ACT_MAX);
+    __m512 m[ACT_GROUP];
+    __mmask16 ok = 0xffff;
+    for (int i = 0; i < ACT_GROUP; i++) {
+        const __m512 a0 = _mm512_abs_ps(_mm512_loadu_ps(x + i * QK)), a1 = _mm512_abs_ps(_mm512_loadu_ps(x + i * QK + 16));
+        ok &= _mm512_cmp_ps_mask(a0, act_max, _CMP_LE_OQ) & _mm512_cmp_ps_mask(a1, act_max, _CMP_LE_OQ);
+        m[i] = _mm512_max_ps(a0, a1);
+    }
+    if (ok != 0xffff) return false;
+    __m512 sc, inv;
+    __m512i e;
+    act_scales16(reduce16(m, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); }), &sc, &inv, &e);
+    __m512 sums[ACT_GROUP];
+    for (int i = 0; i < ACT_GROUP; i++) {
+        const __m512 inv_i = _mm512_permutexvar_ps(_mm512_set1_epi32(i), inv);
+        const __m512i q0 = round_q8_16(_mm512_loadu_ps(x + i * QK), inv_i);
+        const __m512i q1 = round_q8_16(_mm512_loadu_ps(x + i * QK + 16), inv_i);
+        _mm_storeu_si128((__m128i*)(q + i * QK), _mm512_cvtepi32_epi8(q0));
+        _mm_storeu_si128((__m128i*)(q + i * QK + 16), _mm512_cvtepi32_epi8(q1));
+        sums[i] = _mm512_castsi512_ps(_mm512_add_epi32(q0, q1));
+    }
+    const __m512i sum = _mm512_castps_si512(reduce16(sums, [](__m512 a, __m512 b) {
+        return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+    }));
+    _mm512_storeu_ps(d, sc);
+    _mm512_storeu_si512(s, sum);
+    _mm512_storeu_si512(e23, e);
+    _mm512_storeu_si512(c4, _mm512_mullo_epi32(sum, _mm512_set1_epi32(-8)));
+    _mm512_storeu_si512(c8, _mm512_mullo_epi32(sum, _mm512_set1_epi32(-128)));
+    return true;
+}
 #pragma GCC pop_options
 
 // ============================================================================
@@ -300,7 +380,13 @@ int QActs::quantize_blocks(const float* x, int64_t b0, int64_t b1, int path, int
     // that (docs/tuning.md).
     std::memset(q_ + b0 * QK, 0, (size_t)(b1 - b0) * QK);
     for (int32_t* a : {(int32_t*)d_, s_, c4_, c8_, e23_}) std::memset(a + b0, 0, (size_t)(b1 - b0) * 4);
+    const bool wide = block == quantize_act_avx512;
     for (int64_t b = b0; b < b1; b++) {
+        if (wide && b1 - b >= ACT_GROUP &&
+            quantize_act16_avx512(x + b * QK, q_ + b * QK, d_ + b, s_ + b, e23_ + b, c4_ + b, c8_ + b)) {
+            b += ACT_GROUP - 1;
+            continue;
+        }
         const int nf = block(x + b * QK, q_ + b * QK, d_ + b, s_ + b, e23_ + b);
         if (nf >= 0) { *bad = b * QK + nf; return Q_NONFINITE; }
         c4_[b] = -8 * s_[b];

@@ -176,6 +176,36 @@ def test_activation_nonfinite_rejected():
         kernels.Acts(x)
 
 
+def test_activation_blocks_in_groups_identical_on_every_path(rng):
+    """The AVX-512 quantizer takes sixteen blocks at once: many blocks, each at its own scale,
+    with exact ties (n + 1/2 times the scale) and values just under them, zero and subnormal
+    blocks among them, and a row whose block count leaves a tail."""
+    k, nb = 3, 16 * 5 + 7
+    e = rng.integers(-60, 60, (k, nb))
+    x = (rng.uniform(-127, 127, (k, nb, 32)) * np.exp2(e)[..., None]).astype(np.float32)
+    x[..., 0] = 127 * np.exp2(e)                                    # the scale is 2^e
+    ties = (rng.integers(-127, 127, (k, nb, 8)) + 0.5) * np.exp2(e)[..., None]
+    x[..., 1:9] = ties.astype(np.float32)
+    x[..., 9:17] = np.nextafter(x[..., 1:9], np.float32(0))         # just under a tie
+    x[0, 3] = 0.0
+    x[1, 20] = 1e-40 * rng.uniform(-1, 1, 32)
+    x = x.reshape(k, nb * 32)
+    want = formats.quantize_acts(x)
+    for path in native.supported_paths():
+        for g, w in zip(kernels.Acts(x, path).blocks(), want):
+            assert g.tobytes() == w.tobytes(), path
+
+
+@pytest.mark.parametrize("path", native.supported_paths())
+@pytest.mark.parametrize("column", [5 * 32 + 7, 15 * 32 + 31, 16 * 32])
+def test_activation_rejected_at_its_first_bad_value_inside_a_group(path, column):
+    x = np.ones((2, 40 * 32), np.float32)
+    x[1, column] = np.inf
+    x[1, column + 40] = np.nan
+    with pytest.raises(QuantizationError, match=f"token 1, column {column}\\b"):
+        kernels.Acts(x, path)
+
+
 def test_split_layout_regions():
     x = np.arange(2 * 64, dtype=np.float32).reshape(2, 64)
     W = formats.quantize(x, "q4")
