@@ -523,6 +523,18 @@ def test_a_one_token_candidate_much_slower_from_cache_loses(restore, monkeypatch
     assert tune._pick(times, default)[0] == (other if judged < 1 else default)
 
 
+def test_a_candidate_at_the_cached_limit_is_judged_on_all_its_rounds():
+    """Cached ratios either side of CACHED_LIMIT round by round: past it in half the rounds leaves
+    every round's ratio from memory (a steady 0.9 that wins head to head), past it in three of
+    four takes the cached ratio in every round where that is larger."""
+    memory = {"a": [0.9] * 4, "b": [0.9] * 4}
+    cached = {"a": [1.04, 1.06, 1.04, 1.06], "b": [1.06, 1.07, 1.04, 1.08]}
+    judged = tune._past_limit(memory, cached)
+    assert judged["a"] == [0.9] * 4
+    assert judged["b"] == [1.06, 1.07, 1.04, 1.08]
+    assert tune._pick({"default": [1.0] * 4, **judged}, "default")[0] == "a"
+
+
 @pytest.mark.parametrize("slow_k, judged", [(None, 0.9), (7, 0.9), (12, 1.2), (16, 1.2)])
 def test_one_group_much_slower_from_cache_at_any_token_count_loses(restore, monkeypatch, slow_k, judged):
     """two_groups_k: one group up to 16 tokens, 10% faster from memory (both formats over the token
