@@ -161,11 +161,13 @@ struct Tuning {
     int prefetch_k1 = 0, prefetch_k1_q8 = 0;
     int prefetch_l1_k = 4096, prefetch_l2_k = 16384;
     int prefetch_l1_k_q8 = 1024, prefetch_l2_k_q8 = 16384;
-    // Whether 1, 2, 3 or 4 tokens of a format take the single-token scheme, or the k >= 2 one
-    // (past four the arithmetic binds as much as the stream, and the k >= 2 scheme stays).
+    // Whether 1 to 8 tokens of a format take the single-token scheme, or the k >= 2 one (past
+    // eight the arithmetic binds, and the k >= 2 scheme's far requests into L2 stay).
     bool q4_single_k1 = true, q8_single_k1 = true;
     bool q4_single_k2 = false, q4_single_k3 = false, q4_single_k4 = false;
     bool q8_single_k2 = true, q8_single_k3 = false, q8_single_k4 = false;
+    bool q4_single_k5 = false, q4_single_k6 = false, q4_single_k7 = false, q4_single_k8 = false;
+    bool q8_single_k5 = false, q8_single_k6 = false, q8_single_k7 = false, q8_single_k8 = false;
     // Whether the AVX-512 kernel's accumulators for 2 or 4 tokens of a format go through memory
     // each block rather than stay in registers: stream-bound cases where a machine first
     // measured ran faster that way (docs/tuning.md).

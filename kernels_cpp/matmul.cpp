@@ -46,7 +46,7 @@ static void store_tile(const PackedMat& W, float* y, int64_t ldy, int tile, int 
 // lie in the same stream (formats.h, tile_offsets).
 // ============================================================================
 
-// Whether k tokens of a format take the single-token scheme: one to four tokens, where the
+// Whether k tokens of a format take the single-token scheme: one to eight tokens, where the
 // stream binds them, as Tuning says per format and k (measured per machine).
 static inline bool stream_bound(int fmt, int k, const Tuning& tn) {
     const bool q4 = fmt == FMT_Q4;
@@ -55,6 +55,10 @@ static inline bool stream_bound(int fmt, int k, const Tuning& tn) {
         case 2: return q4 ? tn.q4_single_k2 : tn.q8_single_k2;
         case 3: return q4 ? tn.q4_single_k3 : tn.q8_single_k3;
         case 4: return q4 ? tn.q4_single_k4 : tn.q8_single_k4;
+        case 5: return q4 ? tn.q4_single_k5 : tn.q8_single_k5;
+        case 6: return q4 ? tn.q4_single_k6 : tn.q8_single_k6;
+        case 7: return q4 ? tn.q4_single_k7 : tn.q8_single_k7;
+        case 8: return q4 ? tn.q4_single_k8 : tn.q8_single_k8;
         default: return false;
     }
 }

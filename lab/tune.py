@@ -1,7 +1,7 @@
 """Tuning by measurement: the engine's speed-only choices, timed on this machine.
 
 The choices (the C++ `Tuning`, kernels_cpp/lab.h): the SIMD kernels' prefetch distances for
-one token (per format) and for k >= 2, whether 1, 2, 3 and 4 tokens take the single-token scheme
+one token (per format) and for k >= 2, whether each of 1 to 8 tokens takes the single-token scheme
 (per format), whether the AVX-512 kernel's 2- and 4-token accumulators go through memory (per
 format), how many streams each format's kernels read a thread's share in, from how many tokens
 the AVX-512 kernel takes a tile's tokens in two groups and its streams from nine tokens (both
@@ -43,7 +43,7 @@ from .kernel_bench import ATTENTION_SHAPE, L2_SHAPE
 from .protocol import interleave, matmul_samples, past_llc, read_buffer, read_sampler, round_trip_ns, summary
 from .slowcore import SlowCore, slowed
 
-SINGLE_K = (1, 2, 3, 4)  # the token counts whose prefetch scheme is chosen, per format
+SINGLE_K = tuple(range(1, 9))   # the token counts whose prefetch scheme is chosen, per format
 SINGLE = {f"{fmt}_single_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in SINGLE_K}   # field -> what it moves
 MEM_ACC = {f"{fmt}_mem_acc_k{k}": (fmt, k) for fmt in ("q4", "q8") for k in (2, 4)}      # the AVX-512 path's only
 FLAGS = (*SINGLE, *MEM_ACC, "redo_split")      # the yes/no fields
