@@ -310,13 +310,18 @@ def _print_tune_ab(r: dict) -> None:
           f" {'v(k) default':>13s} {'tuned':>6s}")
     for x in r["results"]:
         v = f"{x['v_default']:13.3f} {x['v_tuned']:6.3f}" if "v_default" in x else ""
-        mark = "  slower" if x["slower"] else "  same code" if x.get("same_code") and r["changed"] else ""
+        mark = ("  slower" if x["slower"] else "  slower in too few rounds to tell" if x.get("undecided")
+                else "  same code" if x.get("same_code") and r["changed"] else "")
         print(f"{x['context']:7d} {x['k']:3d} {x['default_ms']:11.2f} {x['tuned_ms']:9.2f} {x['ratio']:14.3f}"
               f" {x['q1']:6.3f}-{x['q3']:6.3f} {v}{mark}")
     if r["changed"] and any(x.get("same_code") for x in r["results"]):
         print("same code: the tuned values change no kernel of that pass, so its ratio shows the noise")
-    print("slower: " + (", ".join(f"context {s['context']} k {s['k']}" for s in r["slower"]) if r["slower"]
-                        else "none: the tuned values are not slower on any figure"))
+    where = lambda xs: ", ".join(f"context {s['context']} k {s['k']}" for s in xs)
+    undecided = r.get("undecided") or []
+    print("slower: " + (where(r["slower"]) if r["slower"] else
+                        f"none shown, but {where(undecided)} read slower in too few of {r['rounds']} rounds to tell: "
+                        "run again with more --rounds" if undecided else
+                        "none: the tuned values are not slower on any figure"))
 
 
 def _print_bandwidth(r: dict) -> None:

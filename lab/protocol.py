@@ -153,6 +153,9 @@ READ_LOOPS = ((0, 1), (256, 1), (1024, 1), (1024, 2))
 def read_passes(buf: np.ndarray, nbytes: int, pool, reps: int) -> list[float]:
     """Seconds of `reps` read passes over buf[:nbytes] on the pool (a kernels.Pool's C++ pool):
     those of the READ_LOOPS loop with the lowest median."""
+    kernels.check_array(buf, "buf", np.uint8, 1, align=64)     # the loops load whole aligned lines
+    if not 0 < nbytes <= buf.size:
+        raise ValueError(f"nbytes must be in 1..{buf.size} (buf's size), got {nbytes}")
     ns, runs = native.lib(), []
     for ahead, streams in READ_LOOPS:
         secs = np.zeros(reps)

@@ -28,6 +28,12 @@ def slower(ratios: list[float]) -> bool:
     return float(np.median(ratios)) >= SLOWER and p < CHANCE
 
 
+def undecided(ratios: list[float]) -> bool:
+    """Whether a figure reads slower by its median but in too few of its rounds to say so
+    (`slower`): more rounds would tell, where "not slower" would claim what was not shown."""
+    return float(np.median(ratios)) >= SLOWER and not slower(ratios)
+
+
 def _pair(engine, tokens: np.ndarray, pos: int, variants: dict[str, dict], rounds: int, reps: int, bar) -> dict:
     """Each variant's seconds per round (reps passes over tokens at pos), in A B B A order."""
     times: dict[str, list[list[float]]] = {v: [] for v in variants}
@@ -45,7 +51,8 @@ def ab(engine, contexts, ks, tuned: dict, rounds: int = 10, reps: int = 3, progr
     each variant's median ms and the per-round time ratios tuned / default, their median and IQR; v(k)
     under each variant; and which figures the tuned values make slower. A figure whose kernels the
     tuned values cannot change (`tune.moves`) is timed too, a gauge of the noise, but never
-    judged slower. The values in force are left as they were."""
+    judged slower; one slower by its median in too few rounds to tell is `undecided`. The values
+    in force are left as they were."""
     from tqdm import tqdm
     variants = {"default": tune.defaults(), "tuned": tuned}
     before = tune.current()
@@ -62,7 +69,8 @@ def ab(engine, contexts, ks, tuned: dict, rounds: int = 10, reps: int = 3, progr
                     moved = tune.moves(variants["default"], tuned, k)
                     rows.append({"context": ctx, "k": k, **{f"{v}_ms": float(np.median(flat(t[v]))) * 1e3 for v in t},
                                  "ratio": ratio["median"], "q1": ratio["q1"], "q3": ratio["q3"],
-                                 "ratios": ratios, "same_code": not moved, "slower": moved and slower(ratios)})
+                                 "ratios": ratios, "same_code": not moved, "slower": moved and slower(ratios),
+                                 "undecided": moved and undecided(ratios)})
     finally:
         tune.apply(before)
     one = {r["context"]: r for r in rows if r["k"] == 1}
@@ -71,4 +79,5 @@ def ab(engine, contexts, ks, tuned: dict, rounds: int = 10, reps: int = 3, progr
             r.update({f"v_{v}": r[f"{v}_ms"] / one[r["context"]][f"{v}_ms"] for v in variants})
     return {"changed": {f: [variants["default"][f], v] for f, v in tuned.items() if v != variants["default"][f]},
             "rounds": rounds, "reps": reps, "results": rows,
-            "slower": [{"context": r["context"], "k": r["k"]} for r in rows if r["slower"]]}
+            "slower": [{"context": r["context"], "k": r["k"]} for r in rows if r["slower"]],
+            "undecided": [{"context": r["context"], "k": r["k"]} for r in rows if r["undecided"]]}

@@ -93,6 +93,17 @@ def test_the_read_ceiling_is_the_fastest_read_loop(monkeypatch):
         assert protocol.read_passes(buf, buf.size, None, 3) == [1.0, 3.0, 2.0], fastest
 
 
+def test_a_read_pass_refuses_a_buffer_it_would_crash_on():
+    """The read loops load whole aligned lines: a misaligned buffer or a length past its end
+    is a ValueError, never a signal inside C++."""
+    buf, _owner = protocol.read_buffer(4 << 20)
+    with pytest.raises(ValueError, match="64-byte boundary"):
+        protocol.read_passes(buf[1:], buf.size - 1, None, 1)
+    for nbytes in (0, buf.size + 64):
+        with pytest.raises(ValueError, match="nbytes must be in"):
+            protocol.read_passes(buf, nbytes, None, 1)
+
+
 def test_the_last_level_cache_is_read_from_linux(tmp_path):
     for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "480M"), ("index9", "junk")):
         (tmp_path / index).mkdir()

@@ -341,12 +341,14 @@ def test_ab_times_every_figure_under_both_values_and_puts_them_back(tiny_engine,
         assert x["default_ms"] > 0 and x["tuned_ms"] > 0 and x["q1"] <= x["ratio"] <= x["q3"]
         assert x["same_code"] == (not tune.moves(tune.defaults(), tuned, x["k"])) and (x["k"] > 1 or not x["same_code"])
         assert len(x["ratios"]) == 3 and x["slower"] == (not x["same_code"] and tune_ab.slower(x["ratios"]))
+        assert x["undecided"] == (not x["same_code"] and tune_ab.undecided(x["ratios"]))
         assert x["v_default"] > 0 and x["v_tuned"] > 0 and (x["k"] > 1 or x["v_default"] == x["v_tuned"] == 1.0)
     # A B B A: each round's pair alternates which goes first, so neither always runs second
     order = ["tuned" if v == tuned else "default" for v in seen[:6]]
     assert order == ["default", "tuned", "tuned", "default", "default", "tuned"]
     assert len(seen) == 4 * 3 * 2 + 1           # two passes a round, and the values put back
     assert r["slower"] == [{"context": x["context"], "k": x["k"]} for x in r["results"] if x["slower"]]
+    assert r["undecided"] == [{"context": x["context"], "k": x["k"]} for x in r["results"] if x["undecided"]]
 
 
 def test_moves_says_which_passes_a_change_can_touch():
@@ -390,26 +392,45 @@ def test_slower_means_clearly_and_consistently_slower(ratios, says):
     assert tune_ab.slower(ratios) is says
 
 
+@pytest.mark.parametrize("ratios, says", [
+    ([1.07, 1.04, 1.09, 1.10, 0.99, 1.06], True),   # slower by its median, 5 rounds of 6: p = 0.11
+    ([1.05] * 9 + [0.99], False),                    # shown slower: decided
+    ([1.01] * 10, False),                            # by less than SLOWER: not slower
+    ([0.97, 1.03, 0.96], False),
+])
+def test_undecided_is_slower_by_the_median_in_too_few_rounds(ratios, says):
+    assert tune_ab.undecided(ratios) is says
+
+
 def test_ab_without_a_tuning_says_to_tune_first(cache, capsys):
     assert cli.main(["tune", "--ab", "--model", "tiny-qwen2"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "run `lab tune` first" in err[0]
 
 
-@pytest.mark.parametrize("slow", [False, True])
-def test_ab_exit_status_says_whether_any_figure_is_slower(cache, restore, capsys, monkeypatch, tmp_path, slow):
+@pytest.mark.parametrize("slow, unsure", [(False, False), (True, False), (False, True)])
+def test_ab_exit_status_says_whether_any_figure_is_slower(cache, restore, capsys, monkeypatch, tmp_path, slow, unsure):
+    """Slower exits 1; slower by the median in too few rounds exits 0 but says so, never "not slower"."""
     monkeypatch.setenv("LAB_MODELS", str(tmp_path))
     tune.save(record())
     def fake(e, contexts, ks, tuned, rounds, progress):
         rows = [{"context": c, "k": k, "default_ms": 1.0, "tuned_ms": 1.0, "ratio": 1.0, "q1": 1.0, "q3": 1.0,
-                 "ratios": [1.0], "slower": slow and k == 2} for c in contexts for k in ks]
+                 "ratios": [1.0], "slower": slow and k == 2, "undecided": unsure and k == 2}
+                for c in contexts for k in ks]
         return {"changed": {}, "rounds": rounds, "reps": 3, "results": rows,
-                "slower": [{"context": x["context"], "k": x["k"]} for x in rows if x["slower"]]}
+                "slower": [{"context": x["context"], "k": x["k"]} for x in rows if x["slower"]],
+                "undecided": [{"context": x["context"], "k": x["k"]} for x in rows if x["undecided"]]}
     monkeypatch.setattr(tune_ab, "ab", fake)
     rc = cli.main(["tune", "--ab", "--model", "tiny-qwen2", "--context", "32", "--k", "1,2", "--rounds", "1"])
     out = capsys.readouterr().out
     assert rc == (1 if slow else 0)
-    assert ("slower: context 32 k 2" in out) if slow else ("not slower on any figure" in out)
+    if slow:
+        assert "slower: context 32 k 2" in out
+    elif unsure:
+        assert "context 32 k 2 read slower in too few of 1 rounds to tell" in out and "not slower on any" not in out
+        assert "slower in too few rounds to tell" in out.splitlines()[-2]       # the figure's own row
+    else:
+        assert "not slower on any figure" in out
 
 
 @pytest.mark.parametrize("stage", ["prefetch_k1", "q4_single_k1"])
