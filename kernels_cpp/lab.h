@@ -151,6 +151,7 @@ constexpr int MAX_STREAMS = 4;     // a kernel reads a share in a power of two o
 // Tuning::two_groups_k's range: the AVX-512 kernel has both shapes built for the token counts
 // between (one group up to TWO_GROUPS_LAST - 1 tokens, two groups from TWO_GROUPS_FIRST).
 constexpr int TWO_GROUPS_FIRST = 6, TWO_GROUPS_LAST = 17;
+constexpr int STREAMS_K5_FROM = 5;     // the token counts Tuning::streams_k5 caps: this many up to STREAMS_K9_FROM - 1
 constexpr int STREAMS_K9_FROM = 9;     // the token counts Tuning::streams_k9 caps: this many and more
 
 struct Tuning {
@@ -176,6 +177,10 @@ struct Tuning {
     // (MAX_STREAMS) equal parts of its tiles, a block of each in turn. One core kept more lines
     // in flight over several streams than over one (docs/tuning.md).
     int q4_streams = 1, q8_streams = 1;
+    // The most streams the AVX-512 kernel reads a share in at five to eight tokens, 1 or 2 (it
+    // takes at most two there): four streams made one-token passes faster while two made
+    // eight-token ones slower on one machine, so the two are measured apart (docs/tuning.md).
+    int streams_k5 = 1;
     // The most streams the AVX-512 kernel reads a share in from nine tokens on, 1 or 2: two
     // streams keep twice the accumulators, which read faster from memory and slower from cache
     // (docs/tuning.md).

@@ -383,7 +383,8 @@ template <int FMT, int K, bool MEM, int MOST, bool TWO>
 static void groups(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1, const Tuning& tn,
                    const StreamAhead& ahead) {
     if constexpr (TWO ? K >= TWO_GROUPS_FIRST : K < TWO_GROUPS_LAST)
-        stream_groups(t0, t1, std::min({streams(FMT, tn), MOST, K >= STREAMS_K9_FROM ? tn.streams_k9 : MOST}),
+        stream_groups(t0, t1, std::min({streams(FMT, tn), MOST, K >= STREAMS_K9_FROM ? tn.streams_k9
+                                                                 : K >= STREAMS_K5_FROM ? tn.streams_k5 : MOST}),
                       [&](const int* tiles, int n) {
             if constexpr (MOST == 4)
                 if (n == 4) return tile_group<FMT, K, MEM, 4, TWO>(W, A, y, ldy, tiles, ahead);
@@ -398,7 +399,7 @@ static void tiles_k(const PackedMat& W, const QActs& A, float* y, int64_t ldy, i
     static_assert(MAX_STREAMS == 4, "a group of each stream count the tuning allows");
     // each stream keeps an accumulator a token beside a block's 8 weight registers: past four
     // tokens two streams already spill some, and still read faster from memory (docs/tuning.md)
-    constexpr int MOST = K <= 4 ? 4 : 2;
+    constexpr int MOST = K < STREAMS_K5_FROM ? 4 : 2;
     const StreamAhead ahead(FMT, stream_bound(FMT, K, tn), tn);
     if (K >= tn.two_groups_k) groups<FMT, K, MEM, MOST, true>(W, A, y, ldy, t0, t1, tn, ahead);
     else groups<FMT, K, MEM, MOST, false>(W, A, y, ldy, t0, t1, tn, ahead);

@@ -141,6 +141,7 @@ def consts() -> SimpleNamespace:
         window_block=int(ns.ATT_WINDOW_BLOCK),
         max_streams=int(ns.MAX_STREAMS),
         two_groups=(int(ns.TWO_GROUPS_FIRST), int(ns.TWO_GROUPS_LAST)),
+        streams_k5_from=int(ns.STREAMS_K5_FROM),
         streams_k9_from=int(ns.STREAMS_K9_FROM))
 
 

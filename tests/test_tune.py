@@ -369,6 +369,7 @@ def test_moves_says_which_passes_a_change_can_touch():
         (("att_kv_l2_k", 2),): {2, 3, 4, 8},                     # attention's requests from 2 tokens
         (("att_kv_l2_k", 1),): {1, 2, 3, 4, 8},                  # and from one
         (("streams_k9", 2),): set(),                             # nine tokens and more only
+        (("streams_k5", 2),): {8},                               # five to eight tokens only
         (("two_groups_k", 8),): {8},                             # eight tokens in two groups, not one
         (("two_groups_k", 6),): {8},                             # and from six (none of the others)
         (("two_groups_k", 13),): set(),                          # 9 to 12 tokens in one group
@@ -501,12 +502,12 @@ def test_a_one_token_stream_is_timed_in_its_format_s_calls(restore, monkeypatch)
     assert {fmt: call for fmt, call in seen} == {"q4": tune.STREAM_CALL["q4"], "q8": None}
 
 
-def test_a_stream_count_is_judged_on_one_timing_of_one_and_eight_tokens(restore, monkeypatch):
+def test_a_stream_count_is_judged_on_one_timing_of_one_and_four_tokens(restore, monkeypatch):
     """A stream count moves every token count and every call: one timing sums one-token and
-    eight-token walks in calls a layer makes, so a count that wins at one token but loses more at
-    eight loses."""
+    four-token walks (the most that take four streams; from five streams_k5 caps them) in calls a
+    layer makes, so a count that wins at one token but loses more at four loses."""
     cands = tune.candidates()["q4_streams"]
-    assert set(cands) == {"1", "2", "4"} and tune.STREAMS_K == (1, 8)
+    assert set(cands) == {"1", "2", "4"} and tune.STREAMS_K == (1, 4)
     b, seen = tune._Bench(1, 1, 1), []
     monkeypatch.setattr(b, "matmul", lambda fmt, k, call: seen.append((fmt, k, call)) or [float(k)])
     monkeypatch.setattr(b, "cached", lambda fmt, k: [float(k)])
@@ -516,8 +517,8 @@ def test_a_stream_count_is_judged_on_one_timing_of_one_and_eight_tokens(restore,
     monkeypatch.setattr(tune, "_per_round", per_round)
     times = tune._times("q4_streams", cands, b, tune.defaults(), 2, None)
     calls = tune.STREAMS_CALLS["q4"]
-    assert sorted(seen[:4]) == sorted(("q4", k, call) for k in (1, 8) for call in calls)   # one candidate's timing
-    assert times == {"1": [1.0, 1.0], "2": [1.0, 1.0], "4": [0.5, 0.5]}   # ratios of 18 "seconds" each
+    assert sorted(seen[:4]) == sorted(("q4", k, call) for k in (1, 4) for call in calls)   # one candidate's timing
+    assert times == {"1": [1.0, 1.0], "2": [1.0, 1.0], "4": [0.5, 0.5]}   # ratios of 10 "seconds" each
     assert tune._bar_rounds("q4_streams", 3, 2) == 9
 
 
@@ -584,14 +585,15 @@ def test_one_group_much_slower_from_cache_at_any_token_count_loses(restore, monk
     assert tune._bar_rounds("two_groups_k", 3) == 3 * 11
 
 
+@pytest.mark.parametrize("stage, ks", [("streams_k5", (5, 8)), ("streams_k9", (12, 16))])
 @pytest.mark.parametrize("cached_ratio, judged", [(1.04, 0.9), (1.12, 1.12)])
-def test_two_streams_past_eight_tokens_much_slower_from_cache_lose(restore, monkeypatch, cached_ratio, judged):
-    """streams_k9: two streams 10% faster from memory at 12 and 16 tokens (both formats) are judged
-    by each format and token count's cached timing against the untuned defaults too: 12% slower
-    from cache counts, 4% does not."""
-    cands = tune.candidates()["streams_k9"]
+def test_two_streams_much_slower_from_cache_lose(restore, monkeypatch, cached_ratio, judged, stage, ks):
+    """The stream caps: two streams 10% faster from memory at their token counts (both formats)
+    are judged by each format and token count's cached timing against the untuned defaults too:
+    12% slower from cache counts, 4% does not."""
+    cands = tune.candidates()[stage]
     base = tune.defaults()
-    assert set(cands) == {"1", "2"} and tune._label(cands, base) == "1" and tune.STREAMS_K9 == (12, 16)
+    assert set(cands) == {"1", "2"} and tune._label(cands, base) == "1" and tune._register_ks(stage) == ks
     b, seen = tune._Bench(1, 1, 1), []
     monkeypatch.setattr(b, "matmul", lambda fmt, k: seen.append((fmt, k)) or [1.0])
     monkeypatch.setattr(b, "cached", lambda fmt, k: [100.0 + k])
@@ -601,8 +603,8 @@ def test_two_streams_past_eight_tokens_much_slower_from_cache_lose(restore, monk
             return (0.9 if secs < 100 else cached_ratio) if n == "2" else 1.0
         return {n: [ratio(n, fn()[0])] * rounds for n, fn in fns.items()}
     monkeypatch.setattr(tune, "_per_round", per_round)
-    times = tune._times("streams_k9", cands, b, base, 3, None)
-    assert sorted(set(seen)) == sorted((fmt, k) for fmt in ("q4", "q8") for k in (12, 16))
+    times = tune._times(stage, cands, b, base, 3, None)
+    assert sorted(set(seen)) == sorted((fmt, k) for fmt in ("q4", "q8") for k in ks)
     assert times["2"] == [pytest.approx(judged)] * 3 and times["1"] == [1.0] * 3
     assert tune._pick(times, "1")[0] == ("2" if judged < 1 else "1")
 
