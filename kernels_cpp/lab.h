@@ -177,10 +177,11 @@ struct Tuning {
     // (MAX_STREAMS) equal parts of its tiles, a block of each in turn. One core kept more lines
     // in flight over several streams than over one (docs/tuning.md).
     int q4_streams = 1, q8_streams = 1;
-    // The most streams the AVX-512 kernel reads a share in at five to eight tokens, 1 or 2 (it
-    // takes at most two there): four streams made one-token passes faster while two made
-    // eight-token ones slower on one machine, so the two are measured apart (docs/tuning.md).
-    int streams_k5 = 1;
+    // The most streams the AVX-512 kernel reads a share in at two to four tokens (1, 2 or 4) and at
+    // five to eight (1 or 2: it takes at most two there): four streams made one-token passes
+    // faster while they made four- and eight-token ones slower on one machine, so each token
+    // range is measured apart (docs/tuning.md).
+    int streams_k2 = 1, streams_k5 = 1;
     // The most streams the AVX-512 kernel reads a share in from nine tokens on, 1 or 2: two
     // streams keep twice the accumulators, which read faster from memory and slower from cache
     // (docs/tuning.md).

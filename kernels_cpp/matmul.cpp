@@ -379,12 +379,16 @@ static void tile_group(const PackedMat& W, const QActs& A, float* y, int64_t ldy
 // Every stream group of tiles t0..t1 in one or two groups of tokens. Only the shapes the tuning's
 // range can ask for are built (TWO_GROUPS_FIRST, TWO_GROUPS_LAST): two groups below the first
 // and one group from the last would each stand in for the other, and never run.
+// The most streams k >= 2 tokens take, per token range (Tuning::streams_k2, streams_k5, streams_k9).
+static inline int stream_cap(int k, const Tuning& tn) {
+    return k >= STREAMS_K9_FROM ? tn.streams_k9 : k >= STREAMS_K5_FROM ? tn.streams_k5 : k >= 2 ? tn.streams_k2 : MAX_STREAMS;
+}
+
 template <int FMT, int K, bool MEM, int MOST, bool TWO>
 static void groups(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1, const Tuning& tn,
                    const StreamAhead& ahead) {
     if constexpr (TWO ? K >= TWO_GROUPS_FIRST : K < TWO_GROUPS_LAST)
-        stream_groups(t0, t1, std::min({streams(FMT, tn), MOST, K >= STREAMS_K9_FROM ? tn.streams_k9
-                                                                 : K >= STREAMS_K5_FROM ? tn.streams_k5 : MOST}),
+        stream_groups(t0, t1, std::min({streams(FMT, tn), MOST, stream_cap(K, tn)}),
                       [&](const int* tiles, int n) {
             if constexpr (MOST == 4)
                 if (n == 4) return tile_group<FMT, K, MEM, 4, TWO>(W, A, y, ldy, tiles, ahead);

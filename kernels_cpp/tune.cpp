@@ -32,7 +32,7 @@ int set_tuning(const Tuning& t) {
     for (int d : {t.prefetch_k1, t.prefetch_k1_q8, t.prefetch_l1_k, t.prefetch_l2_k, t.prefetch_l1_k_q8,
                   t.prefetch_l2_k_q8})
         ok = ok && d >= 0 && d <= FAR;
-    for (int n : {t.q4_streams, t.q8_streams}) ok = ok && n >= 1 && n <= MAX_STREAMS && (n & (n - 1)) == 0;
+    for (int n : {t.q4_streams, t.q8_streams, t.streams_k2}) ok = ok && n >= 1 && n <= MAX_STREAMS && (n & (n - 1)) == 0;
     ok = ok && t.two_groups_k >= TWO_GROUPS_FIRST && t.two_groups_k <= TWO_GROUPS_LAST;
     ok = ok && t.streams_k5 >= 1 && t.streams_k5 <= 2 && t.streams_k9 >= 1 && t.streams_k9 <= 2;
     if (!ok) return 1;

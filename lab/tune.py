@@ -51,10 +51,12 @@ STREAMS = {f"{fmt}_streams": fmt for fmt in ("q4", "q8")}      # field -> its fo
 # k >= 2: each format's (into L1, into L2) distance fields, and its stage
 MULTI = {"q4": ("prefetch_l1_k", "prefetch_l2_k"), "q8": ("prefetch_l1_k_q8", "prefetch_l2_k_q8")}
 MULTI_STAGE = {"q4": "prefetch_k", "q8": "prefetch_k_q8"}
-ACCUMULATORS = ("streams_k5", "streams_k9", "two_groups_k")   # how many accumulators the AVX-512 kernel keeps: _register_times
+STREAM_CAPS = ("streams_k2", "streams_k5", "streams_k9")   # the most streams per token range, format-free
+ACCUMULATORS = (*STREAM_CAPS, "two_groups_k")   # how many accumulators the AVX-512 kernel keeps: _register_times
 FIELDS = ("prefetch_k1", "prefetch_k1_q8", *MULTI["q4"], *MULTI["q8"], *FLAGS, *STREAMS, *ACCUMULATORS,
           "guided_min_bytes", "guided_from_bytes", "att_split_k", "att_kv_l2_k")
 REGISTERS = (*MEM_ACC, *ACCUMULATORS)   # where the AVX-512 kernel keeps its accumulators: its path's only
+STREAMS_K2 = (2, 4)     # the token counts streams_k2 is judged on (it moves 2 to STREAMS_K5_FROM - 1 tokens)
 STREAMS_K5 = (5, 8)     # the token counts streams_k5 is judged on (it moves STREAMS_K5_FROM to 8 tokens)
 STREAMS_K9 = (12, 16)   # the token counts streams_k9 is judged on (it moves STREAMS_K9_FROM tokens and more)
 MB = 1 << 20
@@ -64,7 +66,7 @@ PREFETCH_K1 = (0, 1024, 2048, 4096, 8192, 16384)   # per format; 0: the hardware
 PREFETCH_K = ((0, 8192), (0, 16384), (1024, 8192), (1024, 16384), (2048, 8192), (2048, 16384), (4096, 16384),
               (4096, 32768), (8192, 32768))
 MULTI_K = (4, 8)        # the token counts a multi-token distance is judged on: its stream binds at 4, arithmetic at 8
-STREAMS_K = (1, 4)      # the token counts a stream count is judged on: decode's, and the most that take four streams
+STREAMS_K = (1,)        # the token counts a format's stream count is judged on: decode's (from two tokens the caps bind)
 # two_groups_k's candidates beside its range's ends (native.consts().two_groups). 10 takes nine
 # tokens, a verification of eight guesses, in one group: there the accumulators still fit the
 # registers, where from ten on one group reads slower from cache (docs/tuning.md).
@@ -121,6 +123,8 @@ def moves(a: dict, b: dict, k: int) -> bool:
     if "streams_k9" in diff and k >= c.streams_k9_from:
         return True
     if "streams_k5" in diff and c.streams_k5_from <= k < c.streams_k9_from:
+        return True
+    if "streams_k2" in diff and 2 <= k < c.streams_k5_from:
         return True
     lo, hi = sorted((a["two_groups_k"], b["two_groups_k"]))
     if lo <= k < hi:                                   # one group under one tuning, two under the other
@@ -183,6 +187,7 @@ def candidates(base: dict | None = None) -> dict[str, dict[str, dict]]:
     mins = sorted({*GUIDED_MIN, base["guided_min_bytes"]})
     return {   # in the order they are timed: the stream counts first, the distances for those streams
         **{f: {str(v): {f: v} for v in sorted({*stream_counts(), base[f]})} for f in STREAMS},
+        "streams_k2": {str(v): {"streams_k2": v} for v in stream_counts()},
         "streams_k5": {str(v): {"streams_k5": v} for v in (1, 2)},
         **{f: {str(v): {f: v} for v in vs} for f, vs in k1.items()},
         **{MULTI_STAGE[fmt]: {f"{a}/{b}": {l1: a, l2: b} for a, b in pairs[fmt]} for fmt, (l1, l2) in MULTI.items()},
@@ -344,7 +349,7 @@ class _Bench:
             walks = -(-past_llc(mb * MB) // (tiles * tile_bytes))   # cycled, they stream from memory
             self.walk[fmt] = tiles * tile
             self.W[fmt] = kernels.pack(kernels.random_qtensor(fmt, walks * tiles * tile, COLS, seed=tiles))
-        for k in sorted({1, *MULTI_K, *SINGLE_K, *STREAMS_K, *STREAMS_K5, *STREAMS_K9, *two_groups()[1]}):
+        for k in sorted({1, *MULTI_K, *SINGLE_K, *STREAMS_K, *STREAMS_K2, *STREAMS_K5, *STREAMS_K9, *two_groups()[1]}):
             x = rng.standard_normal((k, COLS), dtype=np.float32)
             self.acts[k] = kernels.Acts(x, self.path_name)
 
@@ -614,12 +619,12 @@ def _stream_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rou
 
 def _register_ks(stage: str) -> tuple[int, ...]:
     """The token counts an ACCUMULATORS stage is judged on."""
-    return {"streams_k5": STREAMS_K5, "streams_k9": STREAMS_K9}.get(stage) or two_groups()[1]
+    return {"streams_k2": STREAMS_K2, "streams_k5": STREAMS_K5, "streams_k9": STREAMS_K9}.get(stage) or two_groups()[1]
 
 
 def _register_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rounds: int,
                     bar) -> dict[str, list[float]]:
-    """streams_k5's, streams_k9's or two_groups_k's ratios to the default per round: both formats from memory,
+    """A stream cap's (streams_k2, _k5, _k9) or two_groups_k's ratios to the default per round: both formats from memory,
     summed over the stage's token counts, and the worst cached timing where that is past
     CACHED_LIMIT, of each format at each of those counts where the candidate runs other code than
     the reference (`moves`): more accumulators pay from memory and cost from cache. The stream
@@ -628,7 +633,7 @@ def _register_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], r
     ks, fmts = _register_ks(stage), ("q4", "q8")
     fns = {n: (lambda sets=sets: (apply({**base, **sets}), _summed(b.matmul(fmt, k) for fmt in fmts for k in ks))[1])
            for n, sets in cands.items()}
-    reference = defaults() if stage in ("streams_k5", "streams_k9") else {**base, stage: defaults()[stage]}
+    reference = defaults() if stage in STREAM_CAPS else {**base, stage: defaults()[stage]}
     settings = {**{n: {**base, **sets} for n, sets in cands.items()}, None: reference}
     cached = {(fmt, k): _worse_of([_cached_times(b, fmt, [k], settings, rounds, bar)], None) for fmt in fmts for k in ks}
 

@@ -370,6 +370,7 @@ def test_moves_says_which_passes_a_change_can_touch():
         (("att_kv_l2_k", 1),): {1, 2, 3, 4, 8},                  # and from one
         (("streams_k9", 2),): set(),                             # nine tokens and more only
         (("streams_k5", 2),): {8},                               # five to eight tokens only
+        (("streams_k2", 4),): {2, 3, 4},                         # two to four tokens only
         (("two_groups_k", 8),): {8},                             # eight tokens in two groups, not one
         (("two_groups_k", 6),): {8},                             # and from six (none of the others)
         (("two_groups_k", 13),): set(),                          # 9 to 12 tokens in one group
@@ -502,12 +503,11 @@ def test_a_one_token_stream_is_timed_in_its_format_s_calls(restore, monkeypatch)
     assert {fmt: call for fmt, call in seen} == {"q4": tune.STREAM_CALL["q4"], "q8": None}
 
 
-def test_a_stream_count_is_judged_on_one_timing_of_one_and_four_tokens(restore, monkeypatch):
-    """A stream count moves every token count and every call: one timing sums one-token and
-    four-token walks (the most that take four streams; from five streams_k5 caps them) in calls a
-    layer makes, so a count that wins at one token but loses more at four loses."""
+def test_a_stream_count_is_judged_on_one_token_in_the_calls_a_layer_makes(restore, monkeypatch):
+    """A format's stream count binds at one token (from two the caps streams_k2, _k5 and _k9 are
+    judged apart): one timing sums one-token walks in the calls a layer makes."""
     cands = tune.candidates()["q4_streams"]
-    assert set(cands) == {"1", "2", "4"} and tune.STREAMS_K == (1, 4)
+    assert set(cands) == {"1", "2", "4"} and tune.STREAMS_K == (1,)
     b, seen = tune._Bench(1, 1, 1), []
     monkeypatch.setattr(b, "matmul", lambda fmt, k, call: seen.append((fmt, k, call)) or [float(k)])
     monkeypatch.setattr(b, "cached", lambda fmt, k: [float(k)])
@@ -517,8 +517,8 @@ def test_a_stream_count_is_judged_on_one_timing_of_one_and_four_tokens(restore, 
     monkeypatch.setattr(tune, "_per_round", per_round)
     times = tune._times("q4_streams", cands, b, tune.defaults(), 2, None)
     calls = tune.STREAMS_CALLS["q4"]
-    assert sorted(seen[:4]) == sorted(("q4", k, call) for k in (1, 4) for call in calls)   # one candidate's timing
-    assert times == {"1": [1.0, 1.0], "2": [1.0, 1.0], "4": [0.5, 0.5]}   # ratios of 10 "seconds" each
+    assert sorted(seen[:2]) == sorted(("q4", 1, call) for call in calls)   # one candidate's timing
+    assert times == {"1": [1.0, 1.0], "2": [1.0, 1.0], "4": [0.5, 0.5]}   # ratios of 2 "seconds" each
     assert tune._bar_rounds("q4_streams", 3, 2) == 9
 
 
@@ -585,7 +585,7 @@ def test_one_group_much_slower_from_cache_at_any_token_count_loses(restore, monk
     assert tune._bar_rounds("two_groups_k", 3) == 3 * 11
 
 
-@pytest.mark.parametrize("stage, ks", [("streams_k5", (5, 8)), ("streams_k9", (12, 16))])
+@pytest.mark.parametrize("stage, ks", [("streams_k2", (2, 4)), ("streams_k5", (5, 8)), ("streams_k9", (12, 16))])
 @pytest.mark.parametrize("cached_ratio, judged", [(1.04, 0.9), (1.12, 1.12)])
 def test_two_streams_much_slower_from_cache_lose(restore, monkeypatch, cached_ratio, judged, stage, ks):
     """The stream caps: two streams 10% faster from memory at their token counts (both formats)
@@ -593,7 +593,7 @@ def test_two_streams_much_slower_from_cache_lose(restore, monkeypatch, cached_ra
     12% slower from cache counts, 4% does not."""
     cands = tune.candidates()[stage]
     base = tune.defaults()
-    assert set(cands) == {"1", "2"} and tune._label(cands, base) == "1" and tune._register_ks(stage) == ks
+    assert {"1", "2"} <= set(cands) and tune._label(cands, base) == "1" and tune._register_ks(stage) == ks
     b, seen = tune._Bench(1, 1, 1), []
     monkeypatch.setattr(b, "matmul", lambda fmt, k: seen.append((fmt, k)) or [1.0])
     monkeypatch.setattr(b, "cached", lambda fmt, k: [100.0 + k])
