@@ -376,14 +376,14 @@ static void tile_group(const PackedMat& W, const QActs& A, float* y, int64_t ldy
     for (int n = 0; n < NT; n++) store_tile(W, y, ldy, tiles[n], K, acc[n]);
 }
 
-// Every stream group of tiles t0..t1 in one or two groups of tokens. Only the shapes the tuning's
-// range can ask for are built (TWO_GROUPS_FIRST, TWO_GROUPS_LAST): two groups below the first
-// and one group from the last would each stand in for the other, and never run.
 // The most streams k >= 2 tokens take, per token range (Tuning::streams_k2, streams_k5, streams_k9).
 static inline int stream_cap(int k, const Tuning& tn) {
     return k >= STREAMS_K9_FROM ? tn.streams_k9 : k >= STREAMS_K5_FROM ? tn.streams_k5 : k >= 2 ? tn.streams_k2 : MAX_STREAMS;
 }
 
+// Every stream group of tiles t0..t1 in one or two groups of tokens. Only the shapes the tuning's
+// range can ask for are built (TWO_GROUPS_FIRST, TWO_GROUPS_LAST): two groups below the first
+// and one group from the last would each stand in for the other, and never run.
 template <int FMT, int K, bool MEM, int MOST, bool TWO>
 static void groups(const PackedMat& W, const QActs& A, float* y, int64_t ldy, int t0, int t1, const Tuning& tn,
                    const StreamAhead& ahead) {

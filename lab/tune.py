@@ -4,7 +4,7 @@ The choices (the C++ `Tuning`, kernels_cpp/lab.h): the SIMD kernels' prefetch di
 one token (per format) and for k >= 2, whether each of 1 to 8 tokens takes the single-token scheme
 (per format), whether the AVX-512 kernel's 2- and 4-token accumulators go through memory (per
 format), how many streams each format's kernels read a thread's share in, from how many tokens
-the AVX-512 kernel takes a tile's tokens in two groups and its streams from nine tokens (both
+the AVX-512 kernel takes a tile's tokens in two groups and the most streams it takes per token range (all
 also timed from cache), which split the engine's matmuls take (guided shares, or redo's pieces
 that thread 0 computes again rather than wait for a worker gone missing), the matrix size from
 which the guided split turns from static ranges to guided shares, and the smallest share or
@@ -51,14 +51,13 @@ STREAMS = {f"{fmt}_streams": fmt for fmt in ("q4", "q8")}      # field -> its fo
 # k >= 2: each format's (into L1, into L2) distance fields, and its stage
 MULTI = {"q4": ("prefetch_l1_k", "prefetch_l2_k"), "q8": ("prefetch_l1_k_q8", "prefetch_l2_k_q8")}
 MULTI_STAGE = {"q4": "prefetch_k", "q8": "prefetch_k_q8"}
-STREAM_CAPS = ("streams_k2", "streams_k5", "streams_k9")   # the most streams per token range, format-free
+# The most streams per token range, format-free (kernels_cpp/matmul.cpp, stream_cap) -> the token
+# counts each is judged on: two to four, five to eight, nine and more.
+STREAM_CAPS = {"streams_k2": (2, 4), "streams_k5": (5, 8), "streams_k9": (12, 16)}
 ACCUMULATORS = (*STREAM_CAPS, "two_groups_k")   # how many accumulators the AVX-512 kernel keeps: _register_times
 FIELDS = ("prefetch_k1", "prefetch_k1_q8", *MULTI["q4"], *MULTI["q8"], *FLAGS, *STREAMS, *ACCUMULATORS,
           "guided_min_bytes", "guided_from_bytes", "att_split_k", "att_kv_l2_k")
 REGISTERS = (*MEM_ACC, *ACCUMULATORS)   # where the AVX-512 kernel keeps its accumulators: its path's only
-STREAMS_K2 = (2, 4)     # the token counts streams_k2 is judged on (it moves 2 to STREAMS_K5_FROM - 1 tokens)
-STREAMS_K5 = (5, 8)     # the token counts streams_k5 is judged on (it moves STREAMS_K5_FROM to 8 tokens)
-STREAMS_K9 = (12, 16)   # the token counts streams_k9 is judged on (it moves STREAMS_K9_FROM tokens and more)
 MB = 1 << 20
 # What the tuner tries besides the default (which it always tries).
 PREFETCH_K1 = (0, 1024, 2048, 4096, 8192, 16384)   # per format; 0: the hardware prefetcher alone
@@ -110,6 +109,13 @@ def _as_dict(t) -> dict:
     return {f: bool(getattr(t, f)) if f in FLAGS else int(getattr(t, f)) for f in FIELDS}
 
 
+def stream_cap(k: int) -> str | None:
+    """The field that caps k tokens' streams (kernels_cpp/matmul.cpp, stream_cap); None at one token."""
+    c = native.consts()
+    return None if k < 2 else "streams_k2" if k < c.streams_k5_from else "streams_k5" if k < c.streams_k9_from \
+        else "streams_k9"
+
+
 def moves(a: dict, b: dict, k: int) -> bool:
     """Whether a k-token pass can run different kernel code under tunings a and b: a field that
     only moves other token counts leaves it alone (`lab tune --ab` judges only the passes that move)."""
@@ -119,12 +125,7 @@ def moves(a: dict, b: dict, k: int) -> bool:
     for f in ("att_split_k", "att_kv_l2_k"):          # attention's choices, from a token count on
         if f in diff and k >= min(x[f] for x in (a, b) if x[f]):
             return True
-    c = native.consts()
-    if "streams_k9" in diff and k >= c.streams_k9_from:
-        return True
-    if "streams_k5" in diff and c.streams_k5_from <= k < c.streams_k9_from:
-        return True
-    if "streams_k2" in diff and 2 <= k < c.streams_k5_from:
+    if stream_cap(k) in diff:
         return True
     lo, hi = sorted((a["two_groups_k"], b["two_groups_k"]))
     if lo <= k < hi:                                   # one group under one tuning, two under the other
@@ -349,7 +350,7 @@ class _Bench:
             walks = -(-past_llc(mb * MB) // (tiles * tile_bytes))   # cycled, they stream from memory
             self.walk[fmt] = tiles * tile
             self.W[fmt] = kernels.pack(kernels.random_qtensor(fmt, walks * tiles * tile, COLS, seed=tiles))
-        for k in sorted({1, *MULTI_K, *SINGLE_K, *STREAMS_K, *STREAMS_K2, *STREAMS_K5, *STREAMS_K9, *two_groups()[1]}):
+        for k in sorted({1, *MULTI_K, *SINGLE_K, *STREAMS_K, *(k for ks in STREAM_CAPS.values() for k in ks), *two_groups()[1]}):
             x = rng.standard_normal((k, COLS), dtype=np.float32)
             self.acts[k] = kernels.Acts(x, self.path_name)
 
@@ -619,7 +620,7 @@ def _stream_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rou
 
 def _register_ks(stage: str) -> tuple[int, ...]:
     """The token counts an ACCUMULATORS stage is judged on."""
-    return {"streams_k2": STREAMS_K2, "streams_k5": STREAMS_K5, "streams_k9": STREAMS_K9}.get(stage) or two_groups()[1]
+    return STREAM_CAPS.get(stage) or two_groups()[1]
 
 
 def _register_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rounds: int,
