@@ -112,24 +112,27 @@ struct Done {
 
 // What a thread is computing under parallel_redo, written only by that thread, so thread 0 can
 // tell a holder gone missing, or a slower one, from one about to finish: the piece
-// (epoch << 16 | piece) and when it began, and its finished pieces in job `spent_epoch`
-// (items << 40 | cycles).
+// (epoch << 16 | piece) and when it began, and its finished pieces in its last two jobs, a slot
+// each by the epoch's parity (epoch, then items << 40 | cycles), so that a report that comes in
+// after thread 0 closed its job survives the next one.
 struct alignas(64) Holding {
-    std::atomic<uint64_t> piece{0}, since{0}, spent_epoch{0}, spent{0};
+    std::atomic<uint64_t> piece{0}, since{0}, spent_epoch[2]{}, spent[2]{};
 
     void report(uint64_t epoch, const Done& d) {
-        spent_epoch.store(0, std::memory_order_relaxed);
+        const int s = epoch & 1;
+        spent_epoch[s].store(0, std::memory_order_relaxed);
         std::atomic_thread_fence(std::memory_order_release);
-        spent.store(std::min<uint64_t>(d.items, (1 << 24) - 1) << 40 | std::min<uint64_t>(d.cycles, (1ull << 40) - 1),
-                    std::memory_order_relaxed);
-        spent_epoch.store(epoch, std::memory_order_release);
+        spent[s].store(std::min<uint64_t>(d.items, (1 << 24) - 1) << 40 | std::min<uint64_t>(d.cycles, (1ull << 40) - 1),
+                       std::memory_order_relaxed);
+        spent_epoch[s].store(epoch, std::memory_order_release);
     }
     // Job `epoch`'s report, or {0, 0} where there is none (or it changed while read).
     Done reported(uint64_t epoch) const {
-        if (spent_epoch.load(std::memory_order_acquire) != epoch) return {};
-        const uint64_t v = spent.load(std::memory_order_relaxed);
+        const int s = epoch & 1;
+        if (spent_epoch[s].load(std::memory_order_acquire) != epoch) return {};
+        const uint64_t v = spent[s].load(std::memory_order_relaxed);
         std::atomic_thread_fence(std::memory_order_acquire);
-        if (spent_epoch.load(std::memory_order_relaxed) != epoch) return {};
+        if (spent_epoch[s].load(std::memory_order_relaxed) != epoch) return {};
         return {v >> 40, v & ((1ull << 40) - 1)};
     }
 };
@@ -175,6 +178,8 @@ struct ThreadPool::Impl {
     static constexpr int kRatios = 8;
     std::vector<std::array<double, kRatios>> ratios;
     std::vector<int> ratio_at;
+    std::pair<uint64_t, double> closed[2] = {};             // the last two jobs: epoch, thread 0's cycles an item
+    std::vector<std::array<uint64_t, 2>> learned;           // each worker's jobs learned from, a slot by parity
 
     void publish(uint32_t g, const RedoJob& j) {
         Slot& s = slots[g % kSlots];
@@ -282,13 +287,19 @@ struct ThreadPool::Impl {
         return r[kRatios / 2];
     }
 
-    // Each worker that finished pieces in job j: its time an item over thread 0's (`per_item`).
+    // Each worker's time an item over thread 0's, from its report on job j and, where it came in
+    // late, on the job before: a worker slow enough that thread 0 redoes its pieces finishes them
+    // after the job is closed, and it is the one whose speed matters most.
     void learn_ratios(const RedoJob& j, double per_item) {
-        for (int t = 1; t < n && per_item > 0; t++) {
-            const Done d = holding[t].reported(j.epoch);
-            if (!d.items) continue;
-            ratios[t][ratio_at[t]++ % kRatios] = std::clamp((double)d.cycles / (double)d.items / per_item, 0.25, 4.0);
-        }
+        closed[j.epoch & 1] = {j.epoch, per_item};
+        for (int t = 1; t < n; t++)
+            for (const uint64_t e : {j.epoch - 1, j.epoch}) {
+                const auto [epoch, own] = closed[e & 1];
+                const Done d = holding[t].reported(e);
+                if (epoch != e || own <= 0 || !d.items || learned[t][e & 1] == e) continue;
+                learned[t][e & 1] = e;
+                ratios[t][ratio_at[t]++ % kRatios] = std::clamp((double)d.cycles / (double)d.items / own, 0.25, 4.0);
+            }
     }
 
     // Each thread's share of job j's items, by its speed (1 / its ratio, as redo_speeds()).
@@ -467,6 +478,7 @@ ThreadPool::ThreadPool(int nthreads, const std::vector<int>& cpus, bool pin) : i
     p.ratios.assign(p.n, {});
     for (auto& r : p.ratios) r.fill(1.0);
     p.ratio_at.assign(p.n, 0);
+    p.learned.assign(p.n, {0, 0});
     for (int t = 1; t < p.n; t++) p.threads.emplace_back([this, t] { impl_->worker(t); });
 }
 

@@ -113,7 +113,7 @@ def test_redo_measures_a_slowed_worker(fmt, path, rng):
     """Under "redo", with one worker slowed 3x, the pool's timing of each thread's pieces puts
     the slowed one at about a third of the first thread's speed (which its share of a redo call
     follows), and every result stays bit for bit the one-thread result."""
-    W, x, one, pool = slowed_3x(fmt, path, rng, 4097, 1024)     # pieces long enough to time
+    W, x, one, pool = slowed_3x(fmt, path, rng, 4097, 4096)     # pieces long enough to time, past L2
     assert pool.redo_speeds == [1.0, 1.0]
     for _ in range(30):
         assert np.array_equal(bits(kernels.matmul(W, x, path=path, pool=pool, chunk="redo")), bits(one))
