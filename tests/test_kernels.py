@@ -101,8 +101,10 @@ def test_a_slow_worker_changes_nothing_but_its_share(fmt, path, rng):
     bit for bit the one-thread result."""
     W, x, one, pool = slowed_3x(fmt, path, rng, 257, 512)
     assert pool.shares == [0.0, 0.0]
-    for _ in range(30):
+    for i in range(300):    # a call whose worker came late (another process on its CPU) measures nothing
         assert np.array_equal(bits(kernels.matmul(W, x, path=path, pool=pool, chunk="guided")), bits(one))
+        if i >= 29 and pool.shares[0] > 0:
+            break
     assert pool.shares[0] > 0.6 and sum(pool.shares) == pytest.approx(1.0)
     for chunk in (0, 1, 16, "redo"):
         assert np.array_equal(bits(kernels.matmul(W, x, path=path, pool=pool, chunk=chunk)), bits(one)), chunk
