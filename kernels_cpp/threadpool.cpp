@@ -178,7 +178,7 @@ struct ThreadPool::Impl {
     static constexpr int kRatios = 8;
     std::vector<std::array<double, kRatios>> ratios;
     std::vector<int> ratio_at;
-    std::pair<uint64_t, double> closed[2] = {};             // the last two jobs: epoch, thread 0's cycles an item
+    std::pair<uint64_t, double> closed[2] = {};             // the last two redo jobs, a slot by parity: epoch, thread 0's cycles an item
     std::vector<std::array<uint64_t, 2>> learned;           // each worker's jobs learned from, a slot by parity
 
     void publish(uint32_t g, const RedoJob& j) {
@@ -288,18 +288,26 @@ struct ThreadPool::Impl {
     }
 
     // Each worker's time an item over thread 0's, from its report on job j and, where it came in
-    // late, on the job before: a worker slow enough that thread 0 redoes its pieces finishes them
-    // after the job is closed, and it is the one whose speed matters most.
+    // late, on the redo job before: a worker slow enough that thread 0 redoes its pieces finishes
+    // them after the job is closed, and it is the one whose speed matters most.
     void learn_ratios(const RedoJob& j, double per_item) {
         closed[j.epoch & 1] = {j.epoch, per_item};
         for (int t = 1; t < n; t++)
-            for (const uint64_t e : {j.epoch - 1, j.epoch}) {
-                const auto [epoch, own] = closed[e & 1];
+            for (const auto& [e, own] : closed) {
                 const Done d = holding[t].reported(e);
-                if (epoch != e || own <= 0 || !d.items || learned[t][e & 1] == e) continue;
+                if (!e || own <= 0 || !d.items || learned[t][e & 1] == e) continue;
                 learned[t][e & 1] = e;
                 ratios[t][ratio_at[t]++ % kRatios] = std::clamp((double)d.cycles / (double)d.items / own, 0.25, 4.0);
             }
+    }
+
+    // A redo job's epoch: the next, or the one after where that has the last redo job's parity,
+    // so that job's report slots and `closed` entry outlive the parallel_for jobs between them.
+    uint64_t redo_epoch() {
+        const uint64_t last = std::max(closed[0].first, closed[1].first);
+        uint64_t e = ++epochs;
+        if (last && (e - last) % 2 == 0) e = ++epochs;
+        return e;
     }
 
     // Each thread's share of job j's items, by its speed (1 / its ratio, as redo_speeds()).
@@ -548,7 +556,7 @@ void ThreadPool::parallel_redo(int items, int least, int most, PieceFn compute, 
     RedoJob j;
     j.redo = true;
     j.items = items;
-    j.epoch = ++p.epochs;
+    j.epoch = p.redo_epoch();
     j.compute = compute;
     j.commit = commit;
     std::memset(j.job, 0, sizeof j.job);
