@@ -4,11 +4,11 @@ The choices (the C++ `Tuning`, kernels_cpp/lab.h): the SIMD kernels' prefetch di
 one token (per format) and for k >= 2, whether each of 1 to 8 tokens takes the single-token scheme
 (per format), whether the AVX-512 kernel's 2- and 4-token accumulators go through memory (per
 format), how many streams each format's kernels read a thread's share in, from how many tokens
-the AVX-512 kernel takes a tile's tokens in two groups and the most streams it takes per token range (all
-also timed from cache), which split the engine's matmuls take (guided shares, or redo's pieces
-that thread 0 computes again rather than wait for a worker gone missing), the matrix size from
-which the guided split turns from static ranges to guided shares, and the smallest share or
-piece (the split's three judged on quiet cores, with one core shared with a co-runner and with
+the AVX-512 kernel takes a tile's tokens in two groups and the most streams it takes per token
+range (each of these but the k >= 2 distances also timed from cache), which split the engine's
+matmuls take (guided shares, or redo's pieces that thread 0 computes again rather than wait for a
+worker gone missing), the matrix size from which the guided split turns from static ranges to
+guided shares, and the smallest share or piece (the split's three judged on quiet cores, with one core shared with a co-runner and with
 one worker slowed, lab.slowcore, keeping the value that holds up on all three; the single-token
 stages likewise on every thread and on one). None of them
 changes a result (tests/test_tune.py checks every candidate bit for bit); the choices that change
@@ -86,10 +86,10 @@ MARGIN = 0.98           # a candidate replaces the default at a median paired ti
                         # when timed alone against it; the first timing, of every candidate, only
                         # nominates those with the lowest medians, if that low (_nominees)
 NOMINEES = 2            # the most candidates a stage times head to head
-# A one-token stage's candidate is also timed on a matrix in L2 (one thread; `lab bench kernels`'
-# L2 shape) against the untuned defaults, and where it is more than this much slower there, that
-# ratio counts: a stream tuned for memory must not thrash L1 when the weights are cached
-# (docs/tuning.md, "Tuned never slower from cache").
+# A one-token stage's candidate, a stream cap's and a scheme flag's are also timed on a matrix in
+# L2 (one thread; `lab bench kernels`' L2 shape) against the untuned defaults, and where one is more
+# than this much slower there, that ratio counts: a stream tuned for memory must not thrash L1 when
+# the weights are cached (docs/tuning.md, "Tuned never slower from cache").
 CACHED_LIMIT = 1.05
 CACHED_CALLS = 50       # calls a repeat of a cache-resident timing: each takes 5-40 us
 CACHE_FORMAT = 1
@@ -473,11 +473,9 @@ def _label(cands: dict[str, dict], values: dict) -> str:
 
 def _stage_samplers(b: _Bench) -> dict[str, Callable[[], list[float]]]:
     """What each other stage times: the kernels whose speed its values move (the single-token
-    stages: _stream_times)."""
+    stages: _stream_times; the scheme flags from two tokens: _scheme_flag_times)."""
     return {**{stage: (lambda fmt=fmt: b.multi(fmt)) for fmt, stage in MULTI_STAGE.items()}, "att_split_k": b.attention,
-            "att_kv_l2_k": lambda: _summed(b.attention(k) for k in ATT_KV_TOKENS),
-            **{f: (lambda fmt=fmt, k=k: b.matmul(fmt, k)) for f, (fmt, k) in (SINGLE | MEM_ACC).items()
-               if f not in ONE_THREAD}}
+            "att_kv_l2_k": lambda: _summed(b.attention(k) for k in ATT_KV_TOKENS)}
 
 
 def _threshold_times(b: _Bench, base: dict, cands: dict[str, dict], rounds: int, bar) -> dict[str, list[float]]:
@@ -550,6 +548,8 @@ STREAM_CALL = {"q4": 8 * MB, "q8": None}
 STREAMS_CALLS = {"q4": (2 * MB, 16 * MB), "q8": (None,)}
 ONE_THREAD = {"prefetch_k1": "q4", "prefetch_k1_q8": "q8", **{f: fmt for f, (fmt, k) in SINGLE.items() if k == 1},
               **STREAMS}
+# The scheme flags from two tokens on -> (format, tokens): each timed at its own, from memory and from L2.
+SCHEME_FLAGS = {f: fk for f, fk in (SINGLE | MEM_ACC).items() if f not in ONE_THREAD}
 
 
 def single_ks(fmt: str, values: dict) -> list[int]:
@@ -583,6 +583,8 @@ def _bar_rounds(stage: str, rounds: int, threads: int = 1, base: dict | None = N
         return rounds * (len(stream_timings(stage, base or defaults())) * (2 if threads > 1 else 1) + 1)
     if stage in ACCUMULATORS:     # from memory, and cached at each format and token count
         return rounds * (1 + 2 * len(_register_ks(stage)))
+    if stage in SCHEME_FLAGS:     # from memory, and cached
+        return rounds * 2
     return rounds * (3 if stage in SPLIT_TIMERS else 1)
 
 
@@ -593,6 +595,8 @@ def _times(stage: str, cands: dict[str, dict], b: _Bench, base: dict, rounds: in
         return _stream_times(stage, b, base, cands, rounds, bar)
     if stage in ACCUMULATORS:
         return _register_times(stage, b, base, cands, rounds, bar)
+    if stage in SCHEME_FLAGS:
+        return _scheme_flag_times(stage, b, base, cands, rounds, bar)
     sample = _stage_samplers(b)[stage]
     return _per_round({n: (lambda sets=sets: (apply({**base, **sets}), sample())[1]) for n, sets in cands.items()},
                       rounds, bar)
@@ -642,6 +646,20 @@ def _register_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], r
         moved = [key for key in cached if moves(settings[n], reference, key[1])]
         return [max([1.0, *(cached[key][n][r] for key in moved)]) for r in range(rounds)]
     return _past_limit(_worse_of([_per_round(fns, rounds, bar)], _label(cands, base)), {n: worst(n) for n in cands})
+
+
+def _scheme_flag_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rounds: int,
+                       bar) -> dict[str, list[float]]:
+    """A scheme flag's ratios to the default per round at its format and token count: from
+    memory, and from L2 against the untuned defaults where that is past CACHED_LIMIT. The k >= 2
+    scheme's requests into L2 won 30% from memory at two 8-bit tokens and cost 20% on a matrix
+    already in L2, where the single scheme at the tuned one-token distance lost nothing on whole
+    passes (docs/tuning.md)."""
+    fmt, k = SCHEME_FLAGS[stage]
+    fns = {n: (lambda sets=sets: (apply({**base, **sets}), b.matmul(fmt, k))[1]) for n, sets in cands.items()}
+    settings = {**{n: {**base, **sets} for n, sets in cands.items()}, None: defaults()}
+    cached = _worse_of([_cached_times(b, fmt, [k], settings, rounds, bar)], None)
+    return _past_limit(_worse_of([_per_round(fns, rounds, bar)], _label(cands, base)), cached)
 
 
 def _cached_times(b: _Bench, fmt: str, ks: list[int], settings: dict, rounds: int, bar) -> dict:

@@ -609,6 +609,33 @@ def test_two_streams_much_slower_from_cache_lose(restore, monkeypatch, cached_ra
     assert tune._pick(times, "1")[0] == ("2" if judged < 1 else "1")
 
 
+@pytest.mark.parametrize("stage, fmt, k", [("q8_single_k2", "q8", 2), ("q4_single_k5", "q4", 5),
+                                           ("q4_mem_acc_k4", "q4", 4)])
+@pytest.mark.parametrize("cached_ratio, judged", [(1.04, 0.9), (1.2, 1.2)])
+def test_a_scheme_flag_much_slower_from_cache_loses(restore, monkeypatch, cached_ratio, judged, stage, fmt, k):
+    """A scheme flag from two tokens on, 10% faster from memory at its format and token count, is
+    judged by its cached timing there against the untuned defaults too: 20% slower from cache
+    counts (the k >= 2 scheme's requests into L2 at two 8-bit tokens), 4% does not."""
+    cands = tune.candidates()[stage]
+    base = tune.defaults()
+    default = tune._label(cands, base)
+    other = next(n for n in cands if n != default)
+    b, seen = tune._Bench(1, 1, 1), []
+    monkeypatch.setattr(b, "matmul", lambda fmt, k: seen.append((fmt, k)) or [1.0])
+    monkeypatch.setattr(b, "cached", lambda fmt, k: seen.append(("cached", fmt, k)) or [100.0])
+
+    def per_round(fns, rounds, bar):
+        def ratio(n, secs):
+            return (0.9 if secs < 100 else cached_ratio) if n == other else 1.0
+        return {n: [ratio(n, fn()[0])] * rounds for n, fn in fns.items()}
+    monkeypatch.setattr(tune, "_per_round", per_round)
+    times = tune._times(stage, cands, b, base, 3, None)
+    assert set(seen) == {(fmt, k), ("cached", fmt, k)}
+    assert times[other] == [pytest.approx(judged)] * 3 and times[default] == [1.0] * 3
+    assert tune._pick(times, default)[0] == (other if judged < 1 else default)
+    assert tune._bar_rounds(stage, 3) == 6
+
+
 def test_the_cached_timing_is_a_product_from_l2_on_one_thread():
     b = tune._Bench(1, 1, 2)
     secs = b.cached("q8", 1)
