@@ -582,7 +582,7 @@ def _bar_rounds(stage: str, rounds: int, threads: int = 1, base: dict | None = N
     if stage in ONE_THREAD:   # its timings from memory, each on every thread and on one, and its cached timing
         return rounds * (len(stream_timings(stage, base or defaults())) * (2 if threads > 1 else 1) + 1)
     if stage in ACCUMULATORS:     # from memory, and cached at each format and token count
-        return rounds * (1 + 2 * len(_register_ks(stage)))
+        return rounds * (len(_memory_counts(stage)) + 2 * len(_register_ks(stage)))
     if stage in SCHEME_FLAGS:     # from memory, and cached
         return rounds * 2
     return rounds * (3 if stage in SPLIT_TIMERS else 1)
@@ -627,17 +627,29 @@ def _register_ks(stage: str) -> tuple[int, ...]:
     return STREAM_CAPS.get(stage) or two_groups()[1]
 
 
+def _memory_counts(stage: str) -> list[tuple[int, ...]]:
+    """An ACCUMULATORS stage's timings from memory, each the token counts summed in it: a stream cap
+    at each of its counts apart, the worse ratio counting (summed, two streams' win at two tokens
+    hid their loss at four, 1-4% on whole passes, docs/tuning.md); two_groups_k over its counts
+    summed, most of which run one code under both candidates."""
+    ks = _register_ks(stage)
+    return [(k,) for k in ks] if stage in STREAM_CAPS else [ks]
+
+
 def _register_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rounds: int,
                     bar) -> dict[str, list[float]]:
-    """A stream cap's (streams_k2, _k5, _k9) or two_groups_k's ratios to the default per round: both formats from memory,
-    summed over the stage's token counts, and the worst cached timing where that is past
+    """A stream cap's (streams_k2, _k5, _k9) or two_groups_k's ratios to the default per round:
+    both formats from memory (_memory_counts), and the worst cached timing where that is past
     CACHED_LIMIT, of each format at each of those counts where the candidate runs other code than
     the reference (`moves`): more accumulators pay from memory and cost from cache. The stream
     caps are judged against the untuned defaults. two_groups_k against the values chosen so far with the
     default grouping, so it weighs the grouping's own cost; the streams' cost is the stream caps'."""
     ks, fmts = _register_ks(stage), ("q4", "q8")
-    fns = {n: (lambda sets=sets: (apply({**base, **sets}), _summed(b.matmul(fmt, k) for fmt in fmts for k in ks))[1])
-           for n, sets in cands.items()}
+
+    def walks(sets: dict, counts: tuple[int, ...]):
+        return lambda: (apply({**base, **sets}), _summed(b.matmul(fmt, k) for fmt in fmts for k in counts))[1]
+    memory = [_per_round({n: walks(sets, counts) for n, sets in cands.items()}, rounds, bar)
+              for counts in _memory_counts(stage)]
     reference = defaults() if stage in STREAM_CAPS else {**base, stage: defaults()[stage]}
     settings = {**{n: {**base, **sets} for n, sets in cands.items()}, None: reference}
     cached = {(fmt, k): _worse_of([_cached_times(b, fmt, [k], settings, rounds, bar)], None) for fmt in fmts for k in ks}
@@ -645,7 +657,7 @@ def _register_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], r
     def worst(n: str) -> list[float]:
         moved = [key for key in cached if moves(settings[n], reference, key[1])]
         return [max([1.0, *(cached[key][n][r] for key in moved)]) for r in range(rounds)]
-    return _past_limit(_worse_of([_per_round(fns, rounds, bar)], _label(cands, base)), {n: worst(n) for n in cands})
+    return _past_limit(_worse_of(memory, _label(cands, base)), {n: worst(n) for n in cands})
 
 
 def _scheme_flag_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rounds: int,

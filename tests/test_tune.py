@@ -607,6 +607,28 @@ def test_two_streams_much_slower_from_cache_lose(restore, monkeypatch, cached_ra
     assert sorted(set(seen)) == sorted((fmt, k) for fmt in ("q4", "q8") for k in ks)
     assert times["2"] == [pytest.approx(judged)] * 3 and times["1"] == [1.0] * 3
     assert tune._pick(times, "1")[0] == ("2" if judged < 1 else "1")
+    assert tune._bar_rounds(stage, 3) == 3 * (2 + 4)
+
+
+@pytest.mark.parametrize("stage, ks", [("streams_k2", (2, 4)), ("streams_k5", (5, 8))])
+def test_a_stream_cap_must_win_at_each_token_count(restore, monkeypatch, stage, ks):
+    """Two streams 15% faster from memory at a cap's first token count and 5% slower at its last
+    (summed, about 0.95) are judged by the worse: the cap stays at one stream."""
+    cands = tune.candidates()[stage]
+    base = tune.defaults()
+    b = tune._Bench(1, 1, 1)
+    monkeypatch.setattr(b, "matmul", lambda fmt, k: [float(k)])
+    monkeypatch.setattr(b, "cached", lambda fmt, k: [100.0])
+    rate = {ks[0]: 0.85, ks[1]: 1.05}
+
+    def per_round(fns, rounds, bar):
+        def ratio(n, secs):
+            return rate[secs / 2] if n == "2" and secs < 100 else 1.0   # secs: k from each format
+        return {n: [ratio(n, fn()[0])] * rounds for n, fn in fns.items()}
+    monkeypatch.setattr(tune, "_per_round", per_round)
+    times = tune._times(stage, cands, b, base, 3, None)
+    assert times["2"] == [pytest.approx(1.05)] * 3
+    assert tune._pick(times, "1")[0] == "1"
 
 
 @pytest.mark.parametrize("stage, fmt, k", [("q8_single_k2", "q8", 2), ("q4_single_k5", "q4", 5),
