@@ -8,9 +8,9 @@ the AVX-512 kernel takes a tile's tokens in two groups and the most streams it t
 range (each of these but the k >= 2 distances also timed from cache), which split the engine's
 matmuls take (guided shares, or redo's pieces that thread 0 computes again rather than wait for a
 worker gone missing), the matrix size from which the guided split turns from static ranges to
-guided shares, and the smallest share or piece (the split's three judged on quiet cores, with one core shared with a co-runner and with
-one worker slowed, lab.slowcore, keeping the value that holds up on all three; the single-token
-stages likewise on every thread and on one). None of them
+guided shares, and the smallest share or piece (the split's three judged on quiet cores, with one
+core shared with a co-runner and with one worker slowed, lab.slowcore, keeping the value that
+holds up on all three; the single-token stages likewise on every thread and on one). None of them
 changes a result (tests/test_tune.py checks every candidate bit for bit); the choices that change
 arithmetic order stay fixed per kernel path.
 
