@@ -645,14 +645,13 @@ def _register_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], r
     caps are judged against the untuned defaults. two_groups_k against the values chosen so far with the
     default grouping, so it weighs the grouping's own cost; the streams' cost is the stream caps'."""
     ks, fmts = _register_ks(stage), ("q4", "q8")
-
-    def walks(sets: dict, counts: tuple[int, ...]):
-        return lambda: (apply({**base, **sets}), _summed(b.matmul(fmt, k) for fmt in fmts for k in counts))[1]
-    memory = [_per_round({n: walks(sets, counts) for n, sets in cands.items()}, rounds, bar)
+    tried = {n: {**base, **sets} for n, sets in cands.items()}
+    memory = [_by_code(tried, counts, lambda k: _summed(b.matmul(fmt, k) for fmt in fmts), rounds, bar)
               for counts in _memory_counts(stage)]
     reference = defaults() if stage in STREAM_CAPS else {**base, stage: defaults()[stage]}
-    settings = {**{n: {**base, **sets} for n, sets in cands.items()}, None: reference}
-    cached = {(fmt, k): _worse_of([_cached_times(b, fmt, [k], settings, rounds, bar)], None) for fmt in fmts for k in ks}
+    settings = {**tried, None: reference}
+    cached = {(fmt, k): _worse_of([_by_code(settings, (k,), lambda k, fmt=fmt: b.cached(fmt, k), rounds, bar)], None)
+              for fmt in fmts for k in ks}
 
     def worst(n: str) -> list[float]:
         moved = [key for key in cached if moves(settings[n], reference, key[1])]
@@ -672,6 +671,21 @@ def _scheme_flag_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict]
     settings = {**{n: {**base, **sets} for n, sets in cands.items()}, None: defaults()}
     cached = _worse_of([_cached_times(b, fmt, [k], settings, rounds, bar)], None)
     return _past_limit(_worse_of([_per_round(fns, rounds, bar)], _label(cands, base)), cached)
+
+
+def _by_code(settings: dict, counts: tuple[int, ...], sample: Callable[[int], list[float]], rounds: int,
+             bar) -> dict:
+    """Each setting's seconds per round summed over `counts`, `sample(k)` timing one setting of each
+    group that runs the same kernel code at k tokens (`moves`), the others given its times:
+    two_groups_k's six candidates run two codes at each count, one group or two."""
+    plan, fns = {}, {}
+    for k in counts:
+        for n, values in settings.items():
+            rep = next((r for r, j in fns if j == k and not moves(settings[r], values, k)), n)
+            plan[n, k] = rep, k
+            fns.setdefault((rep, k), lambda values=values, k=k: (apply(values), sample(k))[1])
+    times = _per_round(fns, rounds, bar)
+    return {n: [sum(times[plan[n, k]][r] for k in counts) for r in range(rounds)] for n in settings}
 
 
 def _cached_times(b: _Bench, fmt: str, ks: list[int], settings: dict, rounds: int, bar) -> dict:
