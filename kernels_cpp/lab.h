@@ -163,7 +163,9 @@ struct Tuning {
     int prefetch_l1_k = 4096, prefetch_l2_k = 16384;
     int prefetch_l1_k_q8 = 1024, prefetch_l2_k_q8 = 16384;
     // Whether 1 to 8 tokens of a format take the single-token scheme, or the k >= 2 one (past
-    // eight the arithmetic binds, and the k >= 2 scheme's far requests into L2 stay).
+    // eight the arithmetic binds, and the k >= 2 scheme's far requests into L2 stay). The same
+    // defaults on every CPU: two 4-bit tokens in the single scheme took 1.6x as long on an Emerald
+    // Rapids-class Xeon, where an earlier Intel default had them (docs/tuning.md).
     bool q4_single_k1 = true, q8_single_k1 = true;
     bool q4_single_k2 = false, q4_single_k3 = false, q4_single_k4 = false;
     bool q8_single_k2 = true, q8_single_k3 = false, q8_single_k4 = false;
@@ -203,7 +205,7 @@ struct Tuning {
     // buffers L1 has; a one-token task at a short context ran slower so (docs/tuning.md).
     int att_kv_l2_k = 0;
 };
-Tuning default_tuning();                    // the above, with this CPU's default q4_single_k2
+Tuning default_tuning();                    // the above (with LAB_PREFETCH's distance, where built with it)
 Tuning tuning();                            // the values in force
 int set_tuning(const Tuning& t);            // between kernel calls; 1 (and no change) when out of range
 

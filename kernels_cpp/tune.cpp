@@ -1,7 +1,5 @@
 // tune.cpp — the engine's speed-only choices (Tuning, lab.h) in force, and the timing
 // lab/tune.py chooses them by.
-#include <cstring>
-
 #include "clock.h"
 #include "formats.h"
 #include "threadpool.h"
@@ -13,9 +11,6 @@ Tuning default_tuning() {
 #ifdef LAB_PREFETCH     // a build flag for sweeps (lab/native.py)
     t.prefetch_k1 = t.prefetch_k1_q8 = LAB_PREFETCH;
 #endif
-    // the two machines first measured: Intel's 4-bit matrices gained from the single-token scheme
-    // at k = 2, AMD's lost (docs/tuning.md); `lab tune` measures it, and larger k, on each CPU
-    t.q4_single_k2 = std::strcmp(cpu_info().vendor, "GenuineIntel") == 0;
     return t;
 }
 
