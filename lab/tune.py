@@ -609,7 +609,8 @@ def _stream_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict], rou
     timings, fmt = [], ONE_THREAD[stage]
     walked = stream_timings(stage, base)
     settings = {**{n: {**base, **sets} for n, sets in cands.items()}, None: defaults()}
-    cached = _cached_times(b, fmt, sorted({k for walks in walked for k, _ in walks}), settings, rounds, bar)
+    cached = _by_code(settings, tuple(sorted({k for walks in walked for k, _ in walks})),
+                      lambda k: b.cached(fmt, k), rounds, bar)
     for walks in walked:
         fns = {n: (lambda sets=sets, walks=walks: (apply({**base, **sets}),
                                                     _summed(b.matmul(fmt, k, call) for k, call in walks))[1])
@@ -669,7 +670,7 @@ def _scheme_flag_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict]
     fmt, k = SCHEME_FLAGS[stage]
     fns = {n: (lambda sets=sets: (apply({**base, **sets}), b.matmul(fmt, k))[1]) for n, sets in cands.items()}
     settings = {**{n: {**base, **sets} for n, sets in cands.items()}, None: defaults()}
-    cached = _worse_of([_cached_times(b, fmt, [k], settings, rounds, bar)], None)
+    cached = _worse_of([_by_code(settings, (k,), lambda k: b.cached(fmt, k), rounds, bar)], None)
     return _past_limit(_worse_of([_per_round(fns, rounds, bar)], _label(cands, base)), cached)
 
 
@@ -677,7 +678,8 @@ def _by_code(settings: dict, counts: tuple[int, ...], sample: Callable[[int], li
              bar) -> dict:
     """Each setting's seconds per round summed over `counts`, `sample(k)` timing one setting of each
     group that runs the same kernel code at k tokens (`moves`), the others given its times:
-    two_groups_k's six candidates run two codes at each count, one group or two."""
+    two_groups_k's six candidates run two codes at each count, one group or two, and a candidate
+    that runs the defaults' code from L2 is not timed against them twice."""
     plan, fns = {}, {}
     for k in counts:
         for n, values in settings.items():
@@ -686,12 +688,6 @@ def _by_code(settings: dict, counts: tuple[int, ...], sample: Callable[[int], li
             fns.setdefault((rep, k), lambda values=values, k=k: (apply(values), sample(k))[1])
     times = _per_round(fns, rounds, bar)
     return {n: [sum(times[plan[n, k]][r] for k in counts) for r in range(rounds)] for n in settings}
-
-
-def _cached_times(b: _Bench, fmt: str, ks: list[int], settings: dict, rounds: int, bar) -> dict:
-    """Each setting's seconds per round for products of fmt's L2-resident matrix, summed over ks."""
-    return _per_round({n: (lambda values=values: (apply(values), _summed(b.cached(fmt, k) for k in ks))[1])
-                       for n, values in settings.items()}, rounds, bar)
 
 
 def _past_limit(ratios: dict[str, list[float]], cached: dict[str, list[float]]) -> dict[str, list[float]]:

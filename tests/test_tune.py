@@ -53,6 +53,11 @@ def every_choice():
     return out
 
 
+def setting(key):
+    """The setting a faked timing is for: its name, or a _by_code key's, (setting, token count)."""
+    return key[0] if isinstance(key, tuple) else key
+
+
 @pytest.mark.parametrize("path", simd_paths())
 @pytest.mark.parametrize("fmt", ["q4", "q8"])
 def test_every_choice_keeps_every_bit(fmt, path, restore):
@@ -450,7 +455,7 @@ def test_the_single_token_stages_hold_up_on_one_thread_too(restore, monkeypatch,
     def per_round(fns, rounds, bar):
         one = b.matmul_pool is b.one
         calls.append(one)
-        return {n: [(1.1 if one else 0.95) if n == other else 1.0] * rounds for n in fns}
+        return {n: [(1.1 if one else 0.95) if setting(n) == other else 1.0] * rounds for n in fns}
     monkeypatch.setattr(tune, "_per_round", per_round)
     one_token = {**tune.defaults(), **{f"q4_single_k{k}": False for k in tune.SINGLE_K if k > 1}}   # at k = 1 only
     times = tune._times(stage, cands, b, one_token, 3, None)
@@ -471,7 +476,7 @@ def test_a_single_token_distance_is_judged_at_every_token_count_it_moves(restore
     monkeypatch.setattr(b, "matmul", lambda fmt, k, call: [float(k)])        # its "seconds" say which k ran
 
     def per_round(fns, rounds, bar):
-        return {n: [(0.95 if fn()[0] == 1 else 1.1) if n == other else 1.0] * rounds for n, fn in fns.items()}
+        return {n: [(0.95 if fn()[0] == 1 else 1.1) if setting(n) == other else 1.0] * rounds for n, fn in fns.items()}
     monkeypatch.setattr(tune, "_per_round", per_round)
     assert tune.single_ks("q8", base) == [1, 2]
     assert tune.stream_timings("prefetch_k1_q8", {**base, "q8_single_k1": False, "q8_single_k2": False}) == [((1, None),)]
@@ -513,7 +518,7 @@ def test_a_stream_count_is_judged_on_one_token_in_the_calls_a_layer_makes(restor
     monkeypatch.setattr(b, "cached", lambda fmt, k: [float(k)])
 
     def per_round(fns, rounds, bar):
-        return {n: [fn()[0] * (0.5 if n == "4" else 1.0)] * rounds for n, fn in fns.items()}
+        return {n: [fn()[0] * (0.5 if setting(n) == "4" else 1.0)] * rounds for n, fn in fns.items()}
     monkeypatch.setattr(tune, "_per_round", per_round)
     times = tune._times("q4_streams", cands, b, tune.defaults(), 2, None)
     calls = tune.STREAMS_CALLS["q4"]
@@ -537,7 +542,7 @@ def test_a_one_token_candidate_much_slower_from_cache_loses(restore, monkeypatch
 
     def per_round(fns, rounds, bar):
         factor = {True: cached_ratio, False: 0.9}
-        return {n: [factor[fn()[0] >= 100] if n == other else 1.0] * rounds for n, fn in fns.items()}
+        return {n: [factor[fn()[0] >= 100] if setting(n) == other else 1.0] * rounds for n, fn in fns.items()}
     monkeypatch.setattr(tune, "_per_round", per_round)
     assert tune.CACHED_LIMIT == 1.05
     times = tune._times("prefetch_k1_q8", cands, b, base, 3, None)
@@ -606,7 +611,7 @@ def test_two_streams_much_slower_from_cache_lose(restore, monkeypatch, cached_ra
     def per_round(fns, rounds, bar):
         def ratio(n, secs):
             return (0.9 if secs < 100 else cached_ratio) if n == "2" else 1.0
-        return {key: [ratio(key[0], fn()[0])] * rounds for key, fn in fns.items()}     # key: (setting, k)
+        return {key: [ratio(setting(key), fn()[0])] * rounds for key, fn in fns.items()}
     monkeypatch.setattr(tune, "_per_round", per_round)
     times = tune._times(stage, cands, b, base, 3, None)
     assert sorted(set(seen)) == sorted((fmt, k) for fmt in ("q4", "q8") for k in ks)
@@ -629,7 +634,7 @@ def test_a_stream_cap_must_win_at_each_token_count(restore, monkeypatch, stage, 
     def per_round(fns, rounds, bar):
         def ratio(n, secs):
             return rate[secs / 2] if n == "2" and secs < 100 else 1.0   # secs: k from each format
-        return {key: [ratio(key[0], fn()[0])] * rounds for key, fn in fns.items()}
+        return {key: [ratio(setting(key), fn()[0])] * rounds for key, fn in fns.items()}
     monkeypatch.setattr(tune, "_per_round", per_round)
     times = tune._times(stage, cands, b, base, 3, None)
     assert times["2"] == [pytest.approx(1.05)] * 3
@@ -654,7 +659,7 @@ def test_a_scheme_flag_much_slower_from_cache_loses(restore, monkeypatch, cached
     def per_round(fns, rounds, bar):
         def ratio(n, secs):
             return (0.9 if secs < 100 else cached_ratio) if n == other else 1.0
-        return {n: [ratio(n, fn()[0])] * rounds for n, fn in fns.items()}
+        return {n: [ratio(setting(n), fn()[0])] * rounds for n, fn in fns.items()}
     monkeypatch.setattr(tune, "_per_round", per_round)
     times = tune._times(stage, cands, b, base, 3, None)
     assert set(seen) == {(fmt, k), ("cached", fmt, k)}
