@@ -668,10 +668,10 @@ def _scheme_flag_times(stage: str, b: _Bench, base: dict, cands: dict[str, dict]
     already in L2, where the single scheme at the tuned one-token distance lost nothing on whole
     passes (docs/tuning.md)."""
     fmt, k = SCHEME_FLAGS[stage]
-    fns = {n: (lambda sets=sets: (apply({**base, **sets}), b.matmul(fmt, k))[1]) for n, sets in cands.items()}
-    settings = {**{n: {**base, **sets} for n, sets in cands.items()}, None: defaults()}
-    cached = _worse_of([_by_code(settings, (k,), lambda k: b.cached(fmt, k), rounds, bar)], None)
-    return _past_limit(_worse_of([_per_round(fns, rounds, bar)], _label(cands, base)), cached)
+    tried = {n: {**base, **sets} for n, sets in cands.items()}
+    memory = _by_code(tried, (k,), lambda k: b.matmul(fmt, k), rounds, bar)
+    cached = _by_code({**tried, None: defaults()}, (k,), lambda k: b.cached(fmt, k), rounds, bar)
+    return _past_limit(_worse_of([memory], _label(cands, base)), _worse_of([cached], None))
 
 
 def _by_code(settings: dict, counts: tuple[int, ...], sample: Callable[[int], list[float]], rounds: int,
