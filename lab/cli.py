@@ -373,6 +373,12 @@ def _print_decode(r: dict) -> None:
               f"takes {m['between_ms']:.2f} ms a pass ({100 * m['between_part']:.0f}%)")
 
 
+def _v_text(x: dict) -> str:
+    """v(k) with its spread over rounds: a few rounds' v(2) moves by several percent on a shared bus."""
+    iqr = f" (IQR {x['v_iqr']:.2f})" if x["k"] > 1 and "v_iqr" in x else ""
+    return f"v({x['k']})={x['v']:.2f}{iqr}"
+
+
 def _print_vk(r: dict) -> None:
     from .protocol import steady
     print(f"target {r['target']}, draft {r['draft']}, {r['format']}, {r['attention']} attention, {r['threads']} threads")
@@ -383,7 +389,7 @@ def _print_vk(r: dict) -> None:
             read += f"; threads {vs[0]['round_trip_ns']:.0f} ns apart"
         if not steady(vs[0]["read_gbps_before"], vs[0]["read_gbps_after"]):
             read += "; the bus changed state meanwhile, so these mix its two states"
-        print(f"context {ctx} ({read}): " + " ".join(f"v({x['k']})={x['v']:.2f}" for x in vs))
+        print(f"context {ctx} ({read}): " + " ".join(_v_text(x) for x in vs))
         for x in r["records"]:
             if x["context"] == ctx and x["kind"] == "c":
                 print(f"  c({x['format']}) = {x['c']:.3f} (IQR {x['c_iqr']:.3f})")

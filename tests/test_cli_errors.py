@@ -283,3 +283,12 @@ def test_vk_says_when_the_bus_changed_state_during_a_context(capsys):
                    "overhead": {"o_sampled": 0.01}})
     steady, flipped = capsys.readouterr().out.splitlines()[1:3]
     assert "changed state" not in steady and "changed state" in flipped
+
+
+def test_vk_shows_each_ratios_spread(capsys):
+    recs = [{"kind": "v", "context": 256, "k": k, "v": v, "v_iqr": iqr, "read_gbps_before": 30.0,
+             "read_gbps_after": 30.0} for k, v, iqr in ((1, 1.0, 0.0), (2, 1.04, 0.031))]
+    cli._print_vk({"target": "t", "draft": None, "format": "q4", "attention": "f32", "threads": 2,
+                   "records": recs, "o": 0.003, "overhead": {"o_sampled": 0.01}})
+    line = capsys.readouterr().out.splitlines()[1]
+    assert line.endswith("v(1)=1.00 v(2)=1.04 (IQR 0.03)")
