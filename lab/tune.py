@@ -40,7 +40,8 @@ import numpy as np
 from . import kernels, native
 from .files import write_text_atomic
 from .kernel_bench import ATTENTION_SHAPE, L2_SHAPE
-from .protocol import interleave, matmul_samples, past_llc, read_buffer, read_sampler, round_trip_ns, summary
+from .protocol import (interleave, matmul_samples, past_llc, read_buffer, read_sampler, round_trip_ns, steady,
+                       summary)
 from .slowcore import SlowCore, slowed
 
 SINGLE_K = tuple(range(1, 9))   # the token counts whose prefetch scheme is chosen, per format
@@ -65,6 +66,11 @@ PREFETCH_K1 = (0, 1024, 2048, 4096, 8192, 16384)   # per format; 0: the hardware
 PREFETCH_K = ((0, 8192), (0, 16384), (1024, 8192), (1024, 16384), (2048, 8192), (2048, 16384), (4096, 16384),
               (4096, 32768), (8192, 32768))
 MULTI_K = (4, 8)        # the token counts a multi-token distance is judged on: its stream binds at 4, arithmetic at 8
+# The stream counts are judged first, under the default one-token scheme, and once more where the
+# schemes and distances chosen after them changed what one token runs: another count can win there
+# (docs/tuning.md).
+SECOND_LOOK = tuple(STREAMS)
+AGAIN = "again"         # a second look's name in a tuning record: "q4_streams again"
 STREAMS_K = (1,)        # the token counts a format's stream count is judged on: decode's (from two tokens the caps bind)
 # two_groups_k's candidates beside its range's ends (native.consts().two_groups). 10 takes nine
 # tokens, a verification of eight guesses, in one group: there the accumulators still fit the
@@ -296,7 +302,20 @@ def ensure(progress: bool = True) -> None:
                   "LAB_TUNE=0 skips it)", file=sys.stderr)
             rec = tune(progress=progress)
             save(rec)
+            if unsteady(rec):
+                _note(unsteady(rec))
     use(rec)
+
+
+def unsteady(rec: dict) -> str | None:
+    """A note where the read ceiling moved while `rec` was measured: one scheme can win in one bus
+    state and lose in the other (docs/tuning.md), so its choices may suit only the state it ended in."""
+    read = rec.get("read_gbps") or {}
+    before, after = read.get("before"), read.get("after")
+    if not (before and after) or steady(before, after):
+        return None
+    return (f"the read ceiling moved from {before:.1f} to {after:.1f} GB/s while the tuner measured, so its "
+            f"choices may suit one bus state only; run `lab tune` again when the machine is steady")
 
 
 def describe() -> dict:
@@ -440,6 +459,18 @@ def _per_round(cands: dict[str, Callable[[], list[float]]], rounds: int, bar) ->
             out[name].append(float(np.median(secs[0])))
         bar.update()
     return out
+
+
+def _one_token(values: dict, fmt: str) -> dict:
+    """What a format's one-token passes run besides their stream count: its single-token scheme flag
+    and distance, and the k >= 2 scheme's distances, which one token takes where the flag is off."""
+    fields = [f for f, x in ONE_THREAD.items() if x == fmt and f not in STREAMS] + list(MULTI[fmt])
+    return {f: values[f] for f in fields}
+
+
+def stage_of(look: str) -> str:
+    """The stage a tuning record's entry measured: itself, or the stage a second look looked at."""
+    return look.removesuffix(f" {AGAIN}")
 
 
 def _pick(times: dict[str, list[float]], default: str) -> tuple[str, dict]:
@@ -720,23 +751,33 @@ def tune(progress: bool = True, mb: int = 64, rounds: int = 10, reps: int = 3,
     split_stages = (*SPLIT_TIMERS, "att_split_k")      # only a pool's split moves them
     run = [s for s in stages if (split if s in split_stages else registers if s in REGISTERS else prefetching)]
     measured, chosen, confirmed = {}, {}, {}
+    judged_under = {}       # a SECOND_LOOK stage -> the one-token values its first look left in force
     read_before, trip_before = b.read_gbps(), round_trip_ns(b.pool)
     try:
         with tqdm(total=sum(_bar_rounds(s, rounds, b.pool.threads, base) for s in run), desc="lab tune", unit="round",
                   disable=not progress, file=sys.stderr) as bar:
-            for stage in run:
+            def judge(stage: str, look: str) -> None:
                 cands, default = stages[stage], _label(stages[stage], base)
-                _, measured[stage] = _pick(_times(stage, cands, b, base, rounds, bar), default)
-                chosen[stage] = default
-                for nominee in _nominees(measured[stage], default):    # each timed once more, until one wins
+                _, measured[look] = _pick(_times(stage, cands, b, base, rounds, bar), default)
+                chosen[look] = default
+                for nominee in _nominees(measured[look], default):    # each timed once more, until one wins
                     bar.total += _bar_rounds(stage, rounds, b.pool.threads, base)
                     pair = {n: cands[n] for n in (default, nominee)}
                     again, ratios = _pick(_times(stage, pair, b, base, rounds, bar), default)
-                    confirmed.setdefault(stage, []).append({"candidate": nominee, **ratios[nominee]})
+                    confirmed.setdefault(look, []).append({"candidate": nominee, **ratios[nominee]})
                     if again != default:
-                        chosen[stage] = again
+                        chosen[look] = again
                         break
-                base.update(cands[chosen[stage]])
+                base.update(cands[chosen[look]])
+
+            for stage in run:
+                judge(stage, stage)
+                if stage in SECOND_LOOK:
+                    judged_under[stage] = _one_token(base, ONE_THREAD[stage])
+            for stage, under in judged_under.items():
+                if _one_token(base, ONE_THREAD[stage]) != under:
+                    bar.total += _bar_rounds(stage, rounds, b.pool.threads, base)
+                    judge(stage, f"{stage} {AGAIN}")
     finally:
         apply(before)
     return {"format": CACHE_FORMAT, **key(), "date": datetime.datetime.now().isoformat(timespec="minutes"),

@@ -155,6 +155,20 @@ def test_first_use_measures_once_and_caches(cache, restore, monkeypatch):
     assert tune.load() == record()
 
 
+def test_a_tuning_measured_across_a_change_of_bus_state_says_so(cache, restore, monkeypatch, capsys):
+    moved = record(read_gbps={"before": 29.2, "after": 16.5}, seconds=50.0, threads=2, mb=64, measured={},
+                   chosen={}, confirmed={})
+    assert "29.2 to 16.5 GB/s" in tune.unsteady(moved) and "lab tune" in tune.unsteady(moved)
+    assert tune.unsteady(record(read_gbps={"before": 29.2, "after": 30.1})) is None
+    assert tune.unsteady(record()) is None
+    monkeypatch.setattr(tune, "tune", lambda **kw: moved)
+    tune._state.update(source="default", file=None, tried=False)
+    tune.ensure(progress=False)                         # nothing cached: the first use measures
+    assert "lab: note: the read ceiling moved from 29.2 to 16.5 GB/s" in capsys.readouterr().err
+    assert cli.main(["tune"]) == 0
+    assert "lab: note: the read ceiling moved from 29.2 to 16.5 GB/s" in capsys.readouterr().err
+
+
 def test_info_shows_the_values_and_their_source(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
@@ -168,13 +182,19 @@ def test_tune_on_a_small_working_set_picks_from_the_candidates(restore, capsys):
     r = tune.tune(progress=True, mb=8, rounds=2, reps=1)
     bars = re.findall(r"(\d+)/(\d+) \[", capsys.readouterr().err)
     (done, total), first = map(int, bars[-1]), int(bars[0][1])
-    assert done == total == first + sum(tune._bar_rounds(s, 2, r["threads"]) * len(tried)
-                                        for s, tried in r["confirmed"].items())   # known up front
+    again = [s for s in r["measured"] if tune.stage_of(s) != s]
+    assert done == total == first + sum(tune._bar_rounds(tune.stage_of(s), 2, r["threads"]) * len(tried)
+                                        for s, tried in r["confirmed"].items()) \
+        + sum(tune._bar_rounds(tune.stage_of(s), 2, r["threads"]) for s in again)   # known up front
     assert tune.current() == before                       # measuring changes nothing in force
     stages = tune.candidates()
-    assert set(r["chosen"]) <= set(stages)
-    for stage, label in r["chosen"].items():
-        assert label in stages[stage] and set(r["measured"][stage]) == set(stages[stage])
+    assert {tune.stage_of(s) for s in r["chosen"]} <= set(stages)
+    assert set(again) <= {f"{s} {tune.AGAIN}" for s in tune.SECOND_LOOK}
+    for look, label in r["chosen"].items():
+        stage = tune.stage_of(look)
+        assert label in stages[stage] and set(r["measured"][look]) == set(stages[stage])
+    last = {tune.stage_of(look): label for look, label in r["chosen"].items()}      # a second look's counts
+    for stage, label in last.items():
         assert all(r["values"][f] == v for f, v in stages[stage][label].items())
     assert set(r["values"]) == set(tune.FIELDS) and r["seconds"] < 60
     assert all(1 < r["read_gbps"][w] < 10_000 for w in ("before", "after"))
@@ -194,6 +214,7 @@ def test_a_winner_is_kept_only_if_it_wins_again_head_to_head(restore, monkeypatc
         seen.append(stage)
         return {n: [0.9 if n == other and fast else 1.0] * rounds for n in cands}
     monkeypatch.setattr(tune, "_times", times)
+    monkeypatch.setattr(tune, "SECOND_LOOK", ())    # one look a stage
     r = tune.tune(progress=False, mb=1, rounds=3)
     assert set(r["confirmed"]) == set(r["chosen"])
     for stage, label in r["chosen"].items():
@@ -217,6 +238,7 @@ def test_the_runner_up_is_timed_when_the_best_fails_head_to_head(restore, monkey
             ratio = {order[stage][1]: 0.9} if len(order[stage]) > 1 else {}
         return {n: [ratio.get(n, 1.0)] * rounds for n in cands}
     monkeypatch.setattr(tune, "_times", times)
+    monkeypatch.setattr(tune, "SECOND_LOOK", ())    # one look a stage
     r = tune.tune(progress=False, mb=1, rounds=3)
     assert set(r["confirmed"]) == set(order) == set(r["measured"])
     for stage, ranked in order.items():
@@ -242,6 +264,7 @@ def test_a_noisy_winner_is_timed_again_and_kept_if_it_wins_clearly(restore, monk
         noisy = [0.9] * 8 + [1.05] * 4
         return {n: [1.0] * 12 if n == default else noisy if n == others[0] else [0.99] * 12 for n in cands}
     monkeypatch.setattr(tune, "_times", times)
+    monkeypatch.setattr(tune, "SECOND_LOOK", ())    # one look a stage
     r = tune.tune(progress=False, mb=1, rounds=12)
     for stage, label in r["chosen"].items():
         cands = tune.candidates()[stage]
@@ -250,6 +273,31 @@ def test_a_noisy_winner_is_timed_again_and_kept_if_it_wins_clearly(restore, monk
         assert label == noisy and [t["candidate"] for t in r["confirmed"][stage]] == [noisy]
     assert len(timings) == 2 * len(r["chosen"]) and all(n == 2 for _, n in timings[1::2])
     assert tune._nominee({"a": {"ratio": 1.0}, "b": {"ratio": 0.99}}, "a") == "a"
+
+
+def test_the_stream_counts_are_judged_again_under_the_schemes_chosen_after_them(restore, monkeypatch):
+    """Four 4-bit streams win under the default one-token scheme; once the k >= 2 scheme has won for
+    one token, one stream wins: the second look keeps one, and both looks are in the record."""
+    bases = []
+
+    def times(stage, cands, b, base, rounds, bar):
+        faster = {}
+        if stage == "q4_streams":
+            bases.append(dict(base))
+            faster = {"1": 0.9} if not base["q4_single_k1"] else {"4": 0.9}
+        elif stage == "q4_single_k1":
+            faster = {"false": 0.9}
+        return {n: [faster.get(n, 1.0)] * rounds for n in cands}
+    monkeypatch.setattr(tune, "_times", times)
+    r = tune.tune(progress=False, mb=1, rounds=3)
+    again = f"q4_streams {tune.AGAIN}"
+    assert r["chosen"]["q4_streams"] == "4" and r["chosen"][again] == "1" and r["values"]["q4_streams"] == 1
+    assert set(r["measured"][again]) == set(tune.candidates()["q4_streams"])
+    assert f"q8_streams {tune.AGAIN}" not in r["measured"]      # nothing its one token runs had moved
+    # each look timed all counts, then its winner head to head: the second under the k >= 2 scheme,
+    # against the first look's count
+    assert [(b["q4_single_k1"], b["q4_streams"]) for b in bases] == [(True, 1)] * 2 + [(False, 4)] * 2
+    assert tune.stage_of(again) == "q4_streams" and tune.stage_of("q4_streams") == "q4_streams"
 
 
 def test_each_round_reverses_the_order_the_candidates_run_in():
