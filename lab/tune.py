@@ -17,7 +17,10 @@ arithmetic order stay fixed per kernel path.
 `tune()` times each candidate against the default with the real kernels on a working set past the
 last-level cache, candidates interleaved round by round; the one with the lowest median ratio, if
 MARGIN or lower, is timed against the default again and kept only if it clearly wins there (where
-it does not, the runner-up likewise, `_nominees`). The result is cached as JSON beside the native
+it does not, the runner-up likewise, `_nominees`). The stream counts, judged first, are judged once
+more where the schemes and distances chosen after them changed what one token runs (SECOND_LOOK).
+A run whose read ceiling moved says so (`unsteady`): a scheme can win in one bus state and lose in
+the other. The result is cached as JSON beside the native
 builds, keyed by CPU model, kernel path and the build's sources (`native.loaded_key`). Loading the
 library applies a valid cache and never measures; the first Engine measures when nothing valid is
 cached (`ensure`), `lab tune` measures again; LAB_TUNE=0 keeps the defaults.
