@@ -264,8 +264,8 @@ def cmd_tune(args) -> int:
         print("lab: note: LAB_TUNE=0 is set: the kernels keep their defaults while it is", file=sys.stderr)
     else:
         tune.use(r)
-    if tune.unsteady(r):
-        print(f"lab: note: {tune.unsteady(r)}", file=sys.stderr)
+    if note := tune.unsteady(r):
+        print(f"lab: note: {note}", file=sys.stderr)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0

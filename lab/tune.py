@@ -20,8 +20,8 @@ MARGIN or lower, is timed against the default again and kept only if it clearly 
 it does not, the runner-up likewise, `_nominees`). The stream counts, judged first, are judged once
 more where the schemes and distances chosen after them changed what one token runs (SECOND_LOOK).
 A run whose read ceiling moved says so (`unsteady`): a scheme can win in one bus state and lose in
-the other. The result is cached as JSON beside the native
-builds, keyed by CPU model, kernel path and the build's sources (`native.loaded_key`). Loading the
+the other. The result is cached as JSON beside the native builds, keyed by CPU model, kernel path
+and the build's sources (`native.loaded_key`). Loading the
 library applies a valid cache and never measures; the first Engine measures when nothing valid is
 cached (`ensure`), `lab tune` measures again; LAB_TUNE=0 keeps the defaults.
 """
@@ -305,14 +305,14 @@ def ensure(progress: bool = True) -> None:
                   "LAB_TUNE=0 skips it)", file=sys.stderr)
             rec = tune(progress=progress)
             save(rec)
-            if unsteady(rec):
-                _note(unsteady(rec))
+            if note := unsteady(rec):
+                _note(note)
     use(rec)
 
 
 def unsteady(rec: dict) -> str | None:
-    """A note where the read ceiling moved while `rec` was measured: one scheme can win in one bus
-    state and lose in the other (docs/tuning.md), so its choices may suit only the state it ended in."""
+    """A note where the read ceiling moved while `rec` (a tuning, or describe()) was measured: one
+    scheme can win in one bus state and lose in the other (docs/tuning.md)."""
     read = rec.get("read_gbps") or {}
     before, after = read.get("before"), read.get("after")
     if not (before and after) or steady(before, after):
@@ -337,6 +337,8 @@ def lines(d: dict | None = None) -> list[str]:
     trip = d.get("round_trip_ns") or {}
     if trip.get("before"):      # and where the threads sat: one die, or two with a link each
         out.append(f"  threads' round trip   {trip['before']:.0f} ns before, {trip['after']:.0f} after")
+    if note := unsteady(d):
+        out.append(f"  note                  {note}")
     for f in FIELDS:
         v, dv = d["values"][f], d["defaults"][f]
         out.append(f"  {f:22s}{v}" + ("" if v == dv else f" (default {dv})"))

@@ -108,6 +108,7 @@ def test_cache_round_trip(cache, restore):
     assert any("prefetch_k1" in ln and "(default" in ln for ln in tune.lines(d))
     assert any("78.4 GB/s before, 44.1 after" in ln for ln in tune.lines(d))    # the state it was tuned in
     assert any("341 ns before, 58 after" in ln for ln in tune.lines(d))         # and where the threads sat
+    assert any("moved from 78.4 to 44.1 GB/s" in ln for ln in tune.lines(d))    # a state it may not suit
 
 
 @pytest.mark.parametrize("field, value, says", [("cpu", "Another CPU(R)", "another CPU"),
