@@ -599,6 +599,27 @@ def test_a_one_token_candidate_much_slower_from_cache_loses(restore, monkeypatch
     assert tune._pick(times, default)[0] == (other if judged < 1 else default)
 
 
+@pytest.mark.parametrize("stage, cached_ratio, judged", [("prefetch_k1_q8", 1.10, 0.9), ("prefetch_k1_q8", 1.2, 1.2),
+                                                         ("q8_single_k2", 1.10, 0.9), ("q8_single_k4", 1.10, 1.10)])
+def test_below_four_tokens_the_cached_limit_is_wider(restore, monkeypatch, stage, cached_ratio, judged):
+    """10% slower from L2 than the defaults does not count against a choice judged only below four
+    tokens (one token's distance, two tokens' scheme), 20% does; at four tokens 10% counts."""
+    cands, base = tune.candidates()[stage], tune.defaults()
+    default = tune._label(cands, base)
+    other = next(n for n in cands if n != default)
+    b = tune._Bench(1, 1, 1)
+    monkeypatch.setattr(b, "matmul", lambda fmt, k, call=None: [1.0])
+    monkeypatch.setattr(b, "cached", lambda fmt, k: [100.0])     # its "seconds" say it was the cached timing
+
+    def per_round(fns, rounds, bar):
+        factor = {True: cached_ratio, False: 0.9}
+        return {n: [factor[fn()[0] >= 100] if setting(n) == other else 1.0] * rounds for n, fn in fns.items()}
+    monkeypatch.setattr(tune, "_per_round", per_round)
+    times = tune._times(stage, cands, b, base, 3, None)
+    assert times[other] == [pytest.approx(judged)] * 3
+    assert tune.cached_limit((1, 2)) == tune.CACHED_LIMIT_FEW > tune.cached_limit((2, 4)) == tune.CACHED_LIMIT
+
+
 def test_a_candidate_at_the_cached_limit_is_judged_on_all_its_rounds():
     """Cached ratios either side of CACHED_LIMIT round by round: past it in half the rounds leaves
     every round's ratio from memory (a steady 0.9 that wins head to head), past it in three of
