@@ -21,9 +21,9 @@ it does not, the runner-up likewise, `_nominees`). The stream counts, judged fir
 more where the schemes and distances chosen after them changed what one token runs (SECOND_LOOK).
 A run whose read ceiling moved says so (`unsteady`): a scheme can win in one bus state and lose in
 the other. The result is cached as JSON beside the native builds, keyed by CPU model, kernel path
-and the build's sources (`native.loaded_key`). Loading the
-library applies a valid cache and never measures; the first Engine measures when nothing valid is
-cached (`ensure`), `lab tune` measures again; LAB_TUNE=0 keeps the defaults.
+and the build's sources (`native.loaded_key`). Loading the library applies a valid cache and never
+measures; the first Engine measures when nothing valid is cached (`ensure`), `lab tune` measures
+again; LAB_TUNE=0 keeps the defaults.
 """
 from __future__ import annotations
 
