@@ -278,7 +278,9 @@ def cmd_tune(args) -> int:
             print(f"{stage:18s} {name:>12s} {m['ratio']:13.3f} {m['iqr']:6.3f}{mark}")
     for stage, tried in r["confirmed"].items():
         for c in tried:
-            print(f"{stage:18s} {c['candidate']:>12s} {c['ratio']:13.3f} {c['iqr']:6.3f}  (timed again against the default)")
+            timed = c.get("rounds", r["rounds"])    # records from before a noisy head to head was timed twice
+            print(f"{stage:18s} {c['candidate']:>12s} {c['ratio']:13.3f} {c['iqr']:6.3f}  "
+                  f"(timed again against the default, {timed} rounds)")
     return 0
 
 

@@ -170,6 +170,18 @@ def test_a_tuning_measured_across_a_change_of_bus_state_says_so(cache, restore, 
     assert "lab: note: the read ceiling moved from 29.2 to 16.5 GB/s" in capsys.readouterr().err
 
 
+def test_lab_tune_says_how_many_rounds_each_head_to_head_took(cache, restore, monkeypatch, capsys):
+    """A head to head timed twice says 20 rounds; a record from before that rule has its stages' rounds."""
+    confirmed = {"q4_single_k1": [{"candidate": "false", "ratio": 0.968, "iqr": 0.09, "rounds": 20}],
+                 "prefetch_k1": [{"candidate": "2048", "ratio": 0.8, "iqr": 0.04}]}
+    rec = record(seconds=50.0, threads=2, mb=64, rounds=10, measured={}, chosen={}, confirmed=confirmed)
+    monkeypatch.setattr(tune, "tune", lambda **kw: rec)
+    assert cli.main(["tune"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"q4_single_k1 +false +0\.968 +0\.090 +\(timed again against the default, 20 rounds\)", out)
+    assert re.search(r"prefetch_k1 +2048 +0\.800 +0\.040 +\(timed again against the default, 10 rounds\)", out)
+
+
 def test_info_shows_the_values_and_their_source(capsys):
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
@@ -184,8 +196,8 @@ def test_tune_on_a_small_working_set_picks_from_the_candidates(restore, capsys):
     bars = re.findall(r"(\d+)/(\d+) \[", capsys.readouterr().err)
     (done, total), first = map(int, bars[-1]), int(bars[0][1])
     again = [s for s in r["measured"] if tune.stage_of(s) != s]
-    assert done == total == first + sum(tune._bar_rounds(tune.stage_of(s), 2, r["threads"]) * len(tried)
-                                        for s, tried in r["confirmed"].items()) \
+    assert done == total == first + sum(tune._bar_rounds(tune.stage_of(s), c["rounds"], r["threads"])
+                                        for s, tried in r["confirmed"].items() for c in tried) \
         + sum(tune._bar_rounds(tune.stage_of(s), 2, r["threads"]) for s in again)   # known up front
     assert tune.current() == before                       # measuring changes nothing in force
     stages = tune.candidates()
@@ -274,6 +286,31 @@ def test_a_noisy_winner_is_timed_again_and_kept_if_it_wins_clearly(restore, monk
         assert label == noisy and [t["candidate"] for t in r["confirmed"][stage]] == [noisy]
     assert len(timings) == 2 * len(r["chosen"]) and all(n == 2 for _, n in timings[1::2])
     assert tune._nominee({"a": {"ratio": 1.0}, "b": {"ratio": 0.99}}, "a") == "a"
+
+
+@pytest.mark.parametrize("then, kept", [(0.9, True), (1.05, False)])
+def test_a_nominee_that_wins_head_to_head_on_the_median_only_is_timed_as_long_again(restore, monkeypatch,
+                                                                                   then, kept):
+    """10% faster at first; head to head 2.5% faster in the median but slower in 2 rounds of 4; then
+    faster in every round (kept: judged on all 8) or slower in every round (not kept). A nominee
+    that loses head to head on the median is not timed a third time."""
+    timings = []
+
+    def times(stage, cands, b, base, rounds, bar):
+        default = tune._label(cands, base)
+        other = max(n for n in cands if n != default)
+        timings.append(stage)
+        ratio = {1: [0.9] * 4, 2: [0.9, 0.9, 1.05, 1.05]}.get(timings.count(stage), [then] * 4)
+        return {n: ratio if n == other else [1.0] * 4 for n in cands}
+    monkeypatch.setattr(tune, "_times", times)
+    monkeypatch.setattr(tune, "SECOND_LOOK", ())    # one look a stage
+    r = tune.tune(progress=False, mb=1, rounds=4)
+    for stage, label in r["chosen"].items():
+        default = tune._label(tune.candidates()[stage], tune.defaults())
+        [tried] = r["confirmed"][stage]
+        assert tried["rounds"] == 8 and timings.count(stage) == 3
+        assert label == (tried["candidate"] if kept else default)
+    assert len(r["confirmed"]) > 10
 
 
 def test_the_stream_counts_are_judged_again_under_the_schemes_chosen_after_them(restore, monkeypatch):
